@@ -1,0 +1,110 @@
+"""RMSNorm ops: the one switch between the torch reference, Triton and CUDA implementations.
+
+    y = rms_norm(x, weight, eps=1e-6, impl="auto")
+    y, s = fused_add_rms_norm(x, residual, weight, eps=1e-6, impl="auto")   # s = x + residual
+
+impl is "torch" | "triton" | "cuda" | "auto" ("triton" for CUDA tensors, "torch" otherwise).
+Inputs are checked here, once, for every implementation; a bad input raises a ValueError or
+TypeError that names the problem. Nothing falls back silently to another implementation.
+"""
+
+import os
+
+import torch
+
+from .rmsnorm_torch import fused_add_rms_norm_torch, rms_norm_torch
+
+__all__ = ["IMPLS", "fused_add_rms_norm", "resolve_impl", "rms_norm"]
+
+IMPLS = ("auto", "torch", "triton", "cuda")
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The concrete implementation `impl` means for tensors on `device`."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown RMSNorm impl {impl!r}; expected one of {IMPLS}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (got device {device}); to run the Triton kernels on "
+            "the CPU set TRITON_INTERPRET=1 before triton is imported, or use impl='torch'"
+        )
+    if impl == "cuda" and device.type != "cuda":
+        raise ValueError(f"impl='cuda' needs CUDA tensors, got device {device}")
+    return impl
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> str:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
+    if not x.is_floating_point() or not weight.is_floating_point():
+        raise TypeError(f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension (..., D), got shape {tuple(x.shape)}")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be 1-D of size D={x.shape[-1]} (x's last dim), got shape {tuple(weight.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must be on the same device, got {x.device} and {weight.device}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    concrete = resolve_impl(impl, x.device)
+    if concrete != "torch" and (x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES):
+        raise TypeError(
+            f"impl={concrete!r} supports float32, float16 and bfloat16, got x {x.dtype} and weight {weight.dtype}"
+        )
+    return concrete
+
+
+def _wants_op(*tensors: torch.Tensor) -> bool:
+    """Go through the registered torch op (autograd, torch.compile) only when it is needed:
+    its dispatch costs several microseconds per call, which decode steps feel."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return needs_grad or torch.compiler.is_compiling()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
+    """Hugging Face Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), fp32 inside."""
+    concrete = _check(x, weight, eps, impl)
+    if concrete == "torch":
+        return rms_norm_torch(x, weight, eps)
+    if concrete == "cuda":
+        from . import rmsnorm_cuda
+
+        return rmsnorm_cuda.rms_norm(x, weight, eps)
+    from . import rmsnorm_triton
+
+    if _wants_op(x, weight):
+        return rmsnorm_triton.rms_norm_op(x, weight, float(eps))[0]
+    return rmsnorm_triton.forward(x, weight, float(eps))[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(s), s) with s = x + residual rounded to x's dtype, in one pass over memory."""
+    concrete = _check(x, weight, eps, impl)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"residual must be a tensor, got {type(residual).__name__}")
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            "residual must match x in shape, dtype and device: got "
+            f"{tuple(residual.shape)} {residual.dtype} {residual.device} for x "
+            f"{tuple(x.shape)} {x.dtype} {x.device}"
+        )
+    if concrete == "torch":
+        return fused_add_rms_norm_torch(x, residual, weight, eps)
+    if concrete == "cuda":
+        from . import rmsnorm_cuda
+
+        return rmsnorm_cuda.fused_add_rms_norm(x, residual, weight, eps)
+    from . import rmsnorm_triton
+
+    if _wants_op(x, residual, weight):
+        y, summed, _ = rmsnorm_triton.fused_add_rms_norm_op(x, residual, weight, float(eps))
+        return y, summed
+    y, summed, _ = rmsnorm_triton.forward(x, weight, float(eps), residual=residual)
+    return y, summed

@@ -1,0 +1,345 @@
+"""Triton RMSNorm: forward, fused residual add, backward, and their torch.library ops.
+
+Arithmetic is Hugging Face's Qwen3RMSNorm (see rmsnorm_torch.py): squares summed in fp32,
+the normalized row rounded to the input dtype, then multiplied by the weight in fp32 and
+rounded once to the promoted output dtype. (A product of two 16-bit floats is exact in fp32,
+so this rounds exactly as torch's `weight * normalized` does.)
+
+Rows are addressed as `(r // inner) * stride_outer + (r % inner) * stride_inner`, so any
+(..., D) tensor whose leading dims collapse into at most two strides is read in place:
+a column slice, or the q part of a fused qkv projection viewed as (B, S, H, head_dim).
+Outputs are always contiguous and allocated with torch.empty (never zero-filled).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# One pass holds the whole row in registers up to this width; wider rows take the looped kernel.
+MAX_ONE_PASS_D = 16384
+# The backward keeps x, dy, w and the dweight accumulator of a row in registers.
+MAX_BACKWARD_D = 8192
+LOOPED_BLOCK_D = 4096
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 x rounded to nearest-even in dtype. Triton's CPU interpreter truncates fp32 -> bf16
+    where the GPU rounds; round the bits by hand there so the CPU tests check GPU arithmetic."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x == x, bits.to(tl.float32, bitcast=True), x)  # leave NaN payloads alone
+    return x.to(dtype)
+
+
+@triton.jit(do_not_specialize=["n_rows", "eps"])
+def _forward_one_pass(
+    X, R, W, Y, S, RSTD,
+    n_rows, D, eps,
+    x_inner, x_stride_outer, x_stride_inner,
+    r_inner, r_stride_outer, r_stride_inner,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < n_rows
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
+    x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    out_rows = rows[:, None] * D + cols[None, :]
+    if HAS_RESIDUAL:
+        r_rows = (rows // r_inner) * r_stride_outer + (rows % r_inner) * r_stride_inner
+        res = tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        # The sum is rounded to x's dtype, as `residual + hidden_states` is in the HF decoder.
+        x = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty)
+        tl.store(S + out_rows, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+    normalized = _round(xf * rstd[:, None], X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(Y + out_rows, _round(normalized * w[None, :], Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows", "eps"])
+def _forward_looped(
+    X, R, W, Y, S, RSTD,
+    n_rows, D, eps,
+    x_inner, x_stride_outer, x_stride_inner,
+    r_inner, r_stride_outer, r_stride_inner,
+    BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr,
+):
+    """One row per program, two passes over it in BLOCK_D chunks: sum of squares, then normalize.
+    Pass one asks L2 to keep the row (evict_last) so that pass two re-reads it from cache."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + (row // x_inner) * x_stride_outer + (row % x_inner) * x_stride_inner
+    r_row = R + (row // r_inner) * r_stride_outer + (row % r_inner) * r_stride_inner
+    out_row = row * D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        ok = cols < D
+        x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last")
+        if HAS_RESIDUAL:
+            res = tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
+            x = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty)
+            tl.store(S + out_row + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    if STORE_RSTD:
+        tl.store(RSTD + row, rstd)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        ok = cols < D
+        if HAS_RESIDUAL:
+            x = tl.load(S + out_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
+        normalized = _round(x.to(tl.float32) * rstd, X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        tl.store(Y + out_row + cols, _round(normalized * w, Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
+def _backward(
+    DY, X, W, RSTD, DS, DX, DW_PARTIAL,
+    n_rows, D, rows_per_program,
+    x_inner, x_stride_outer, x_stride_inner,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr,
+):
+    """dx and per-program fp32 partial sums of dweight for a contiguous range of rows.
+
+    Follows autograd through HF's module: the gradient reaching the normalized value is
+    dy * w rounded to y's dtype (the multiply's backward runs in that dtype); dweight is
+    sum(dy * normalized_rounded) accumulated in fp32. HAS_DS adds the gradient of the
+    residual-sum output of the fused op (the sum also feeds the next residual branch).
+    """
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    for start in range(first, last, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        row_ok = rows < last
+        mask = row_ok[:, None] & col_ok[None, :]
+        x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
+        x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        out_rows = rows[:, None] * D + cols[None, :]
+        dy = tl.load(DY + out_rows, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        normalized = x * rstd[:, None]
+        dw += tl.sum(dy * _round(normalized, X.dtype.element_ty).to(tl.float32), axis=0)
+        dn = _round(dy * w[None, :], DY.dtype.element_ty).to(tl.float32)
+        mean_dn_n = tl.sum(dn * normalized, axis=1) / D
+        dx = (dn - normalized * mean_dn_n[:, None]) * rstd[:, None]
+        if HAS_DS:
+            dx += tl.load(DS + out_rows, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + out_rows, _round(dx, DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * D + cols, dw, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------- launch logic
+
+
+def row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """(inner, stride_outer, stride_inner) addressing the rows of x (..., D), last dim unit-stride,
+    or None when the leading dims do not collapse into two strides."""
+    groups: list[list[int]] = []  # [size, stride], innermost first
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if groups and groups[-1][0] * groups[-1][1] == stride:
+            groups[-1][0] *= size
+        else:
+            groups.append([size, stride])
+    if not groups:
+        return 1, 0, 0
+    if len(groups) == 1:
+        return groups[0][0], 0, groups[0][1]
+    if len(groups) == 2:
+        return groups[0][0], groups[1][1], groups[0][1]
+    return None
+
+
+def _readable_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """x itself with its row layout, or a contiguous copy when the layout can't be addressed
+    in place (a strided last dim, or leading dims needing more than two strides)."""
+    layout = row_layout(x) if x.stride(-1) == 1 or x.shape[-1] == 1 else None
+    if layout is None:
+        x = x.contiguous()
+        layout = (max(x.numel() // max(x.shape[-1], 1), 1), 0, x.shape[-1])
+    return x, layout
+
+
+@functools.lru_cache(maxsize=None)
+def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps) for the one-pass kernel; BLOCK_ROWS == 0 means looped.
+    Small rows are packed several per program so each program moves ~16 KiB of input."""
+    block_d = triton.next_power_of_2(D)
+    if block_d > MAX_ONE_PASS_D:
+        return LOOPED_BLOCK_D, 0, 8
+    block_rows = max(1, min(32, 16384 // (block_d * elem_size)))
+    row_bytes = block_d * elem_size
+    num_warps = min(16, max(1, row_bytes * block_rows // 2048))
+    return block_d, block_rows, num_warps
+
+
+def forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    store_rstd: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the forward kernel: returns (y, sum or None, rstd or None). Inputs are validated
+    by ops.rms_norm; y has the promoted dtype, sum x's dtype, rstd fp32 per row."""
+    D = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    n_rows = x.numel() // D
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
+    if n_rows == 0:
+        return y, summed, rstd
+    x, x_layout = _readable_rows(x)
+    if residual is not None:
+        residual, r_layout = _readable_rows(residual)
+    else:
+        r_layout = x_layout
+    weight = weight.contiguous()
+    block_d, block_rows, num_warps = forward_config(D, x.element_size())
+    common = (
+        x, residual if residual is not None else x, weight, y,
+        summed if summed is not None else y, rstd if rstd is not None else y,
+        n_rows, D, eps, *x_layout, *r_layout,
+    )
+    flags = dict(HAS_RESIDUAL=residual is not None, STORE_RSTD=store_rstd)
+    if block_rows:
+        grid = (triton.cdiv(n_rows, block_rows),)
+        _forward_one_pass[grid](
+            *common, BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps, **flags
+        )
+    else:
+        _forward_looped[(n_rows,)](*common, BLOCK_D=block_d, num_warps=num_warps, **flags)
+    return y, summed, rstd
+
+
+@functools.lru_cache(maxsize=None)
+def _program_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    d_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) for y = rms_norm(x) (plus d_sum, the gradient reaching the fused op's sum)."""
+    D = x.shape[-1]
+    if D > MAX_BACKWARD_D:
+        raise ValueError(f"the triton RMSNorm backward supports D <= {MAX_BACKWARD_D}, got D={D}")
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x.numel() // D
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight)
+    x, x_layout = _readable_rows(x)
+    dy = dy.contiguous()
+    d_sum = d_sum.contiguous() if d_sum is not None else None
+    block_d = triton.next_power_of_2(D)
+    block_rows = max(1, min(16, 2048 // block_d))
+    programs = min(_program_count(x.device), triton.cdiv(n_rows, block_rows))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_rows) * block_rows
+    programs = triton.cdiv(n_rows, rows_per_program)
+    partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    _backward[(programs,)](
+        dy, x, weight.contiguous(), rstd.contiguous(), d_sum if d_sum is not None else dy, dx, partial,
+        n_rows, D, rows_per_program, *x_layout,
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_DS=d_sum is not None,
+        num_warps=min(16, max(4, block_d * block_rows // 512)),
+    )
+    # A fixed-order sum over a fixed number of partials: deterministic for a given shape.
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+# ------------------------------------------------------------------ torch.library registration
+# custom_op (not triton_op): the ops are opaque single nodes to torch.compile and CUDA graphs,
+# and, unlike triton_op, pass every torch.library.opcheck test under TRITON_INTERPRET=1 on CPU.
+
+
+@torch.library.custom_op("qwen3_ops::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = forward(x, weight, eps, store_rstd=True)
+    return y, rstd
+
+
+@torch.library.custom_op("qwen3_ops::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, summed, rstd = forward(x, weight, eps, residual=residual, store_rstd=True)
+    return y, summed, rstd
+
+
+@torch.library.custom_op("qwen3_ops::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, d_sum: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return backward(dy, x, weight, rstd, d_sum)
+
+
+def _fake_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return _fake_outputs(x, weight)
+
+
+@fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    y, rstd = _fake_outputs(x, weight)
+    return y, x.new_empty(x.shape), rstd
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, d_sum):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight = inputs[0], inputs[-2]
+    # The fused op's backward needs the normalized input, which is its sum output.
+    ctx.save_for_backward(output[1] if len(output) == 3 else x, weight, output[-1])
+
+
+def _rms_norm_grad(ctx, dy, d_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
+    return dx, dw, None
+
+
+def _fused_add_rms_norm_grad(ctx, dy, d_sum, d_rstd):
+    summed, weight, rstd = ctx.saved_tensors
+    d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
+    return d_summed, d_summed, dw, None
+
+
+rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_context)
+fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_grad, setup_context=_setup_context)

@@ -1,0 +1,238 @@
+"""ops.rms_norm and ops.fused_add_rms_norm against transformers' Qwen3RMSNorm module.
+
+Runs on the CPU (Triton through TRITON_INTERPRET=1) and, with TRITON_INTERPRET=0 on a GPU
+machine, on CUDA tensors with compiled kernels. The reference is always the HF module.
+"""
+
+import pytest
+import torch
+from conftest import DEVICE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tolerances import assert_rmsnorm_close
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+import ops
+from ops import fused_add_rms_norm, rms_norm
+
+KERNEL_IMPLS = ["torch", "triton"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, the widest one-pass
+# row, and one wide enough for the looped two-pass kernel.
+WIDTHS = [1, 3, 127, 128, 1024, 2176, 8192, 20000]
+
+
+def hf_norm(D: int, eps: float = 1e-6, weight_dtype=torch.float32, seed: int = 0) -> Qwen3RMSNorm:
+    module = Qwen3RMSNorm(D, eps=eps)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(D, generator=gen) * 0.5 + 1.0)
+    return module.to(device=DEVICE, dtype=weight_dtype)
+
+
+@torch.no_grad()
+def reference(x: torch.Tensor, module: Qwen3RMSNorm) -> torch.Tensor:
+    return module(x)
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", WIDTHS)
+def test_matches_hf_module(impl, dtype, D):
+    rows = 3 if D > 8192 else 37
+    x = randn(rows, D, dtype=dtype)
+    module = hf_norm(D, weight_dtype=dtype)
+    y = rms_norm(x, module.weight.detach(), 1e-6, impl=impl)
+    expected = reference(x, module)
+    if impl == "torch":
+        assert torch.equal(y, expected)  # the reference is HF's arithmetic, op for op
+    else:
+        assert_rmsnorm_close(y, expected)
+    with torch.no_grad():
+        module.weight.fill_(1.0)  # the normalized value itself: within one ulp of HF's
+    assert_rmsnorm_close(rms_norm(x, module.weight.detach(), 1e-6, impl=impl), reference(x, module), True)
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("shape", [(64,), (1, 64), (2, 3, 4, 64), (0, 64), (5, 0, 64)])
+def test_leading_shapes(impl, shape):
+    x = randn(*shape, dtype=torch.bfloat16)
+    module = hf_norm(64, weight_dtype=torch.bfloat16)
+    y = rms_norm(x, module.weight.detach(), impl=impl)
+    assert_rmsnorm_close(y, reference(x, module))
+
+
+def strided_views():
+    """Views whose rows are not contiguous, as the model produces them (name, tensor)."""
+    B, S, H, K, hd = 2, 5, 4, 2, 64
+    qkv = randn(B, S, (H + 2 * K) * hd, dtype=torch.bfloat16, seed=1)
+    wide = randn(6, 300, dtype=torch.bfloat16, seed=2)
+    return [
+        ("q of fused qkv as (B,S,H,hd)", qkv[..., : H * hd].view(B, S, H, hd)),
+        ("k of fused qkv as (B,S,K,hd)", qkv[..., H * hd : (H + K) * hd].view(B, S, K, hd)),
+        ("column slice", wide[:, 17:81]),
+        ("every other row", wide[::2, :64]),
+        ("transposed heads (B,H,S,hd): three strides, copied", qkv[..., : H * hd].view(B, S, H, hd).transpose(1, 2)),
+        ("strided last dim: copied", wide[:, :128:2]),
+    ]
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("case", range(6))
+def test_strided_views(impl, case):
+    name, x = strided_views()[case]
+    before = x.clone()
+    module = hf_norm(x.shape[-1], weight_dtype=torch.bfloat16)
+    y = rms_norm(x, module.weight.detach(), impl=impl)
+    assert_rmsnorm_close(y, reference(x, module))
+    assert torch.equal(x, before), f"{name}: input modified"
+
+
+def test_row_layout_reads_views_in_place():
+    from ops.rmsnorm_triton import row_layout
+
+    name, q = strided_views()[0]
+    B, S, H, hd = q.shape
+    row_width = q.stride(1)  # (H + 2K) * hd
+    assert row_layout(q) == (H, row_width, hd), name  # rows: (token, head) -> two strides, no copy
+    assert row_layout(torch.empty(4, 8, 16)) == (32, 0, 16)
+    assert row_layout(q.transpose(1, 2)) is None
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_input_with_fp32_weight_promotes(impl, dtype):
+    x = randn(9, 256, dtype=dtype)
+    module = hf_norm(256, weight_dtype=torch.float32)
+    y = rms_norm(x, module.weight.detach(), impl=impl)
+    assert y.dtype == torch.float32
+    assert_rmsnorm_close(y, reference(x, module))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("eps", [0.0, 1e-6, 1e-5, 0.1])
+def test_eps(impl, eps):
+    x = randn(8, 96, dtype=torch.float32, scale=0.01)  # small x: eps matters
+    module = hf_norm(96, eps=eps)
+    assert_rmsnorm_close(rms_norm(x, module.weight.detach(), eps, impl=impl), reference(x, module))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_fp16_squares_that_overflow_fp16(impl):
+    x = randn(4, 512, dtype=torch.float16, scale=400.0)  # x^2 ~ 1.6e5 > fp16 max 65504
+    assert torch.isinf(x.pow(2)).any()
+    module = hf_norm(512, weight_dtype=torch.float16)
+    y = rms_norm(x, module.weight.detach(), impl=impl)
+    assert torch.isfinite(y).all()
+    assert_rmsnorm_close(y, reference(x, module))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("D", [64, 20000])
+def test_nan_stays_in_its_row(impl, D):
+    x = randn(4, D, dtype=torch.bfloat16)
+    x[2, D // 2] = float("nan")
+    module = hf_norm(D, weight_dtype=torch.bfloat16)
+    y = rms_norm(x, module.weight.detach(), impl=impl)
+    assert torch.isnan(y[2]).all()
+    assert not torch.isnan(y[[0, 1, 3]]).any()
+    assert_rmsnorm_close(y, reference(x, module))
+
+
+@pytest.mark.parametrize("D", [65536, 131072])
+def test_very_wide_rows_take_the_looped_kernel(D):
+    from ops.rmsnorm_triton import forward_config
+
+    assert forward_config(D, 2)[1] == 0, "expected the looped kernel"
+    x = randn(2, D, dtype=torch.bfloat16)
+    module = hf_norm(D, weight_dtype=torch.bfloat16)
+    assert_rmsnorm_close(rms_norm(x, module.weight.detach(), impl="triton"), reference(x, module))
+
+
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", [7, 128, 2176, 20000])
+def test_fused_add_matches_hf_decoder(impl, dtype, D):
+    x, residual = randn(5, D, dtype=dtype, seed=3), randn(5, D, dtype=dtype, seed=4)
+    module = hf_norm(D, weight_dtype=dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    y, summed = fused_add_rms_norm(x, residual, module.weight.detach(), 1e-6, impl=impl)
+    expected_sum = residual + x  # what Qwen3DecoderLayer does between its two halves
+    assert torch.equal(summed, expected_sum)
+    assert_rmsnorm_close(y, reference(expected_sum, module))
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_fused_add_on_strided_views():
+    name, x = strided_views()[0]
+    residual = randn(*x.shape, dtype=x.dtype, seed=9)
+    module = hf_norm(x.shape[-1], weight_dtype=x.dtype)
+    y, summed = fused_add_rms_norm(x, residual, module.weight.detach(), impl="triton")
+    assert torch.equal(summed, residual + x), name
+    assert_rmsnorm_close(y, reference(residual + x, module))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),
+    D=st.integers(1, 300),
+    pad=st.integers(0, 7),
+    dtype=st.sampled_from(DTYPES),
+    weight_dtype=st.sampled_from(DTYPES),
+    eps=st.sampled_from([0.0, 1e-6, 1e-5, 1e-2]),
+    scale=st.sampled_from([1e-3, 1.0, 50.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_layouts(lead, D, pad, dtype, weight_dtype, eps, scale, seed):
+    """Any shape, row padding (a strided row layout), dtype pair and eps: Triton == HF module."""
+    base = randn(*lead, D + pad, dtype=dtype, scale=scale, seed=seed)
+    x = base[..., pad : pad + D]
+    module = hf_norm(D, eps=eps, weight_dtype=weight_dtype, seed=seed)
+    assert_rmsnorm_close(rms_norm(x, module.weight.detach(), eps, impl="triton"), reference(x, module))
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_errors_name_the_problem(monkeypatch):
+    x, w = randn(4, 8), randn(8)
+    with pytest.raises(ValueError, match="1-D of size D=8"):
+        rms_norm(x, w.view(2, 4))
+    with pytest.raises(ValueError, match="1-D of size D=8"):
+        rms_norm(x, randn(9))
+    with pytest.raises(TypeError, match="floating point"):
+        rms_norm(x.long(), w)
+    with pytest.raises(TypeError, match="floating point"):
+        rms_norm(x, w.int())
+    with pytest.raises(TypeError, match="must be tensors"):
+        rms_norm(x.tolist(), w)
+    with pytest.raises(ValueError, match="same device"):
+        rms_norm(x, torch.empty(8, device="meta"))
+    with pytest.raises(ValueError, match="unknown RMSNorm impl 'fast'"):
+        rms_norm(x, w, impl="fast")
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        rms_norm(randn(4, 0), randn(0))
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, eps=-1.0)
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        rms_norm(x.double(), w.double(), impl="triton")
+    with pytest.raises(ValueError, match="residual must match x"):
+        fused_add_rms_norm(x, randn(4, 9), w)
+    with pytest.raises(ValueError, match="residual must match x"):
+        fused_add_rms_norm(x, x.half(), w)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU-without-interpreter error")
+def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        rms_norm(randn(2, 8), randn(8), impl="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        rms_norm(randn(2, 8), randn(8), impl="cuda")
+    # auto never picks triton for CPU tensors
+    assert ops.resolve_impl("auto", torch.device("cpu")) == "torch"
