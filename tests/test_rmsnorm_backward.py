@@ -1,0 +1,163 @@
+"""Triton RMSNorm backward, its autograd and torch.library registration, against autograd
+through transformers' Qwen3RMSNorm."""
+
+import pytest
+import torch
+from conftest import DEVICE
+from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from ops import fused_add_rms_norm, rms_norm
+from ops import rmsnorm_triton as tri
+
+
+def make_case(rows, D, dtype, seed=0, weight_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, D, generator=gen)
+    w = torch.randn(D, generator=gen) * 0.5 + 1.0
+    dy = torch.randn(rows, D, generator=gen)
+    to = dict(device=DEVICE)
+    return x.to(dtype=dtype, **to), w.to(dtype=weight_dtype or dtype, **to), dy.to(**to)
+
+
+def hf_grads(x, w, dy, eps=1e-6, dtype=None):
+    """(y, dx, dw) by autograd through the HF module, computed in `dtype` (default: the inputs')."""
+    module = Qwen3RMSNorm(x.shape[-1], eps=eps).to(device=x.device, dtype=dtype or w.dtype)
+    with torch.no_grad():
+        module.weight.copy_(w)
+    xx = x.detach().to(dtype or x.dtype).requires_grad_(True)
+    y = module(xx)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), xx.grad, module.weight.grad
+
+
+def our_grads(x, w, dy, eps=1e-6):
+    xx, ww = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    y = rms_norm(xx, ww, eps, impl="triton")
+    y.backward(dy.to(y.dtype))
+    return y.detach(), xx.grad, ww.grad
+
+
+@pytest.mark.parametrize("D", [1, 7, 128, 1000, 4096])
+def test_fp32_gradients_match_hf_autograd(D):
+    x, w, dy = make_case(33, D, torch.float32)
+    _, dx, dw = our_grads(x, w, dy)
+    _, dx_hf, dw_hf = hf_grads(x, w, dy)
+    torch.testing.assert_close(dx, dx_hf, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL)
+    torch.testing.assert_close(dw, dw_hf, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 1024, 2176])
+def test_16bit_gradients_no_worse_than_hf(dtype, D):
+    """Against a float64 truth, our 16-bit gradients err no more than HF's own 16-bit autograd."""
+    x, w, dy = make_case(300, D, dtype, seed=D)
+    dy = dy.to(dtype)
+    _, dx, dw = our_grads(x, w, dy)
+    _, dx_hf, dw_hf = hf_grads(x, w, dy)
+    _, dx_64, dw_64 = hf_grads(x.double(), w.double(), dy.double(), dtype=torch.float64)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert relative_error(dx, dx_64) <= relative_error(dx_hf, dx_64) * BACKWARD_16BIT_ERROR_SLACK
+    assert relative_error(dw, dw_64) <= relative_error(dw_hf, dw_64) * BACKWARD_16BIT_ERROR_SLACK
+
+
+def test_bf16_input_fp32_weight_gradients():
+    x, w, dy = make_case(40, 256, torch.bfloat16, weight_dtype=torch.float32)
+    y, dx, dw = our_grads(x, w, dy)
+    y_hf, dx_hf, dw_hf = hf_grads(x, w, dy)
+    assert y.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    _, dx_64, dw_64 = hf_grads(x.double(), w.double(), dy.double(), dtype=torch.float64)
+    assert relative_error(dx, dx_64) <= relative_error(dx_hf, dx_64) * BACKWARD_16BIT_ERROR_SLACK
+    assert relative_error(dw, dw_64) <= relative_error(dw_hf, dw_64) * BACKWARD_16BIT_ERROR_SLACK
+
+
+def test_dweight_is_deterministic():
+    x, w, dy = make_case(1000, 512, torch.bfloat16)
+    grads = [our_grads(x, w, dy)[2] for _ in range(3)]
+    assert all(torch.equal(grads[0], g) for g in grads[1:])
+
+
+def test_backward_on_strided_input():
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 4, 3 * 64, generator=gen).to(DEVICE)
+    x = base[..., 64:128]  # rows two strides apart, read in place
+    w = (torch.randn(64, generator=gen) + 1).to(DEVICE)
+    dy = torch.randn(6, 4, 64, generator=gen).to(DEVICE)
+    _, dx, dw = our_grads(x, w, dy)
+    _, dx_hf, dw_hf = hf_grads(x, w, dy)
+    torch.testing.assert_close(dx, dx_hf, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL)
+    torch.testing.assert_close(dw, dw_hf, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 24)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_gradients_match_hf_decoder(dtype):
+    """s = residual + x; y = norm(s); both s (the next residual) and y carry gradient."""
+    x, w, dy = make_case(50, 384, dtype, seed=1)
+    residual, _, ds = make_case(50, 384, dtype, seed=2)
+    dy, ds = dy.to(dtype), ds.to(dtype)
+
+    def run(fn, x, residual, w):
+        x, residual, w = (t.detach().clone().requires_grad_(True) for t in (x, residual, w))
+        y, s = fn(x, residual, w)
+        torch.autograd.backward([y, s], [dy.to(y.dtype), ds.to(s.dtype)])
+        return x.grad, residual.grad, w.grad
+
+    def hf(x, residual, w):
+        module = Qwen3RMSNorm(x.shape[-1]).to(device=x.device, dtype=w.dtype)
+        del module.weight
+        module.weight = w  # HF's forward, with gradient flowing to our leaf
+        s = residual + x
+        return module(s), s
+
+    ours = run(lambda x, r, w: fused_add_rms_norm(x, r, w, impl="triton"), x, residual, w)
+    theirs = run(hf, x, residual, w)
+    if dtype == torch.float32:
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 50)
+    else:
+        truth = run(hf, x.double(), residual.double(), w.double())
+        for a, b, t in zip(ours, theirs, truth):
+            assert relative_error(a, t) <= relative_error(b, t) * BACKWARD_16BIT_ERROR_SLACK
+
+
+def test_wide_rows_backward_is_refused_up_front():
+    x = torch.randn(2, tri.MAX_BACKWARD_D + 1, device=DEVICE, requires_grad=True)
+    w = torch.ones(x.shape[-1], device=DEVICE)
+    y = rms_norm(x, w, impl="triton")
+    with pytest.raises(ValueError, match=f"D <= {tri.MAX_BACKWARD_D}"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        (tri.rms_norm_op, lambda x, w: (x, w, 1e-6)),
+        (tri.fused_add_rms_norm_op, lambda x, w: (x, x.detach().clone().flip(0), w, 1e-5)),
+    ],
+)
+def test_opcheck(op, args):
+    # test_aot_dispatch_dynamic traces with symbolic shapes into real kernels; it passes on CPU
+    # tensors through the interpreter because these are custom_ops, opaque to the tracer.
+    x = torch.randn(8, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(op, args(x, w))
+
+
+def test_backward_opcheck():
+    x, w, dy = make_case(8, 64, torch.float32)
+    rstd = tri.rms_norm_op(x, w, 1e-6)[1]
+    torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, None))
+    torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, dy.flip(0)))
+
+
+def test_compile_sees_one_node_without_graph_break():
+    def block(x, residual, w):
+        y, s = fused_add_rms_norm(x, residual, w, impl="triton")
+        return rms_norm(y * 2.0, w, impl="triton") + s
+
+    x, w, _ = make_case(16, 128, torch.float32)
+    explanation = torch._dynamo.explain(block)(x, x.flip(0), w)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, x.flip(0), w), block(x, x.flip(0), w), rtol=0, atol=0)
