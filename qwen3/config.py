@@ -1,0 +1,105 @@
+"""Qwen3Config: the hyperparameters of a dense Qwen3, read from a Hugging Face config.json.
+
+Accepts both the old field names (rope_theta, rope_scaling, torch_dtype) and transformers 5's
+(rope_parameters, dtype). What the model cannot run is refused here, at load time, with a
+message that says why, never run wrongly.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import ops
+
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # explicit: Qwen3-0.6B has 16 heads x 128 = 2048, not hidden_size 1024
+    max_position_embeddings: int = 40960
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # None for plain RoPE, or {"rope_type": "yarn", "factor": ..., "original_max_position_embeddings": ...}
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+    dtype: str = "bfloat16"  # the checkpoint's dtype
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    norm_impl: str = "auto"  # "auto" | "torch" | "triton" | "cuda": every RMSNorm in the model
+    extra: dict = field(default_factory=dict, repr=False, compare=False)  # fields read, not used
+
+    def __post_init__(self) -> None:
+        if self.norm_impl not in ops.IMPLS:
+            raise ValueError(f"norm_impl must be one of {ops.IMPLS}, got {self.norm_impl!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict, **overrides) -> "Qwen3Config":
+        """Build from a config.json dict, checking that it describes a model this code can run."""
+        raw = dict(raw)
+        architectures = raw.get("architectures") or ["Qwen3ForCausalLM"]
+        model_type = raw.get("model_type", "qwen3")
+        if architectures != ["Qwen3ForCausalLM"] or model_type != "qwen3":
+            kind = "Qwen3-MoE " if "moe" in f"{architectures}{model_type}".lower() else ""
+            raise ValueError(
+                f"unsupported {kind}model: architectures={architectures}, model_type={model_type!r}; "
+                "this code runs dense Qwen3ForCausalLM checkpoints only"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; Qwen3 uses 'silu'")
+        layer_types = set(raw.get("layer_types") or ["full_attention"])
+        if raw.get("use_sliding_window") or layer_types != {"full_attention"}:
+            raise ValueError("sliding-window attention is switched on in this config; it is not implemented")
+
+        # transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(raw.pop("rope_parameters", None) or raw.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", raw.get("rope_theta", cls.rope_theta))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        raw["rope_theta"] = rope_theta
+        raw["rope_scaling"] = {"rope_type": rope_type, **rope} if rope_type != "default" else None
+        raw["dtype"] = raw.get("dtype") or raw.pop("torch_dtype", None) or cls.dtype
+        raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+        raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
+        raw.update(overrides)
+
+        known = {f.name for f in fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in raw.items() if k in known},
+                   extra={k: v for k, v in raw.items() if k not in known})
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides) -> "Qwen3Config":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        return cls.from_dict(raw, **overrides)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("extra")
+        return out

@@ -1,0 +1,48 @@
+"""Seeded transformers Qwen3 models and their saved checkpoints: the references of the model tests.
+Nothing is downloaded: every checkpoint is built here and written with save_pretrained."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+SMALL = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+def hf_config(**overrides) -> transformers.Qwen3Config:
+    config = transformers.Qwen3Config(**{**SMALL, **overrides})
+    config._attn_implementation = "eager"  # the reference: plain matmul + softmax attention
+    return config
+
+
+def hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> transformers.Qwen3ForCausalLM:
+    """A transformers Qwen3 with weights large enough that every layer matters: projections
+    ~N(0, 0.08), norm weights ~1 + N(0, 0.2) (HF's init leaves them all ones, which would hide
+    a norm applied with the wrong weight)."""
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(hf_config(**overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.08)
+    return model.to(dtype).eval()
+
+
+def save(model: transformers.PreTrainedModel, directory: Path, max_shard_size: str | None = None) -> Path:
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, **kwargs)
+    return directory

@@ -1,0 +1,144 @@
+"""Checkpoint loading: config field names, and every refusal by its message."""
+
+import json
+
+import pytest
+import torch
+from checkpoints import hf_model, save
+from safetensors.torch import load_file, save_file
+
+from qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+
+def load(path, **kwargs):
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, **kwargs)
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return save(hf_model(seed=0), tmp_path / "ckpt")
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    return save(hf_model(seed=0), tmp_path / "sharded", max_shard_size="100KB")
+
+
+def edit_config(path, **changes):
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(changes)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def test_old_and_new_config_field_names_agree():
+    new = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "bfloat16",
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                               "original_max_position_embeddings": 32768}}
+    old = {**{k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")},
+           "torch_dtype": "bfloat16", "rope_theta": 5e5,
+           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    a, b = Qwen3Config.from_dict(new), Qwen3Config.from_dict(old)
+    assert a == b
+    assert a.rope_theta == 5e5 and a.dtype == "bfloat16"
+    assert a.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert Qwen3Config.from_dict({"hidden_size": 64, "num_attention_heads": 4}).head_dim == 16
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "unsupported Qwen3-MoE model"),
+        (dict(architectures=["LlamaForCausalLM"], model_type="llama"), "dense Qwen3ForCausalLM"),
+        (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
+        (dict(use_sliding_window=True, sliding_window=64), "sliding-window attention"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "'longrope' is not implemented"),
+        (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+    ],
+)
+def test_unsupported_configs_are_refused(checkpoint, changes, message):
+    edit_config(checkpoint, **changes)
+    with pytest.raises(ValueError, match=message):
+        load(checkpoint)
+
+
+def test_unknown_norm_impl_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="norm_impl must be one of"):
+        load(checkpoint, norm_impl="fast")
+
+
+def test_missing_directory_and_files(tmp_path, checkpoint):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load(tmp_path / "nowhere")
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        load(checkpoint)
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load(checkpoint)
+
+
+def rewrite(path, mutate, file="model.safetensors"):
+    tensors = load_file(path / file)
+    mutate(tensors)
+    save_file(tensors, path / file, metadata={"format": "pt"})
+
+
+def test_missing_tensor(checkpoint):
+    rewrite(checkpoint, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ValueError, match="missing tensor.*model.layers.1.self_attn.k_norm.weight"):
+        load(checkpoint)
+
+
+def test_untied_checkpoint_without_lm_head_is_missing_it(checkpoint):
+    rewrite(checkpoint, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match="missing tensor.*lm_head.weight"):
+        load(checkpoint)
+
+
+def test_unexpected_tensor(checkpoint):
+    rewrite(checkpoint, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="unexpected tensor model.layers.0.mlp.extra.weight in model.safetensors"):
+        load(checkpoint)
+
+
+def test_wrong_shape(checkpoint):
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"][:-1]
+
+    rewrite(checkpoint, shrink)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight in model.safetensors has shape "
+                                         r"\(159, 64\), expected \(160, 64\)"):
+        load(checkpoint)
+
+
+def test_unreadable_file(checkpoint):
+    (checkpoint / "model.safetensors").write_bytes(b"\x00not a safetensors file")
+    with pytest.raises(ValueError, match="cannot read safetensors file .*model.safetensors"):
+        load(checkpoint)
+
+
+def test_shard_named_in_index_but_absent(sharded):
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (sharded / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=f"shard {shard} named in model.safetensors.index.json is missing"):
+        load(sharded)
+
+
+def test_index_pointing_to_the_wrong_shard(sharded):
+    path = sharded / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, v in index["weight_map"].items() if v == shards[0])
+    index["weight_map"][key] = shards[1]
+    path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"maps {key} to {shards[1]}, which does not contain it"):
+        load(sharded)
+
+
+def test_tied_checkpoint_shares_the_embedding(tmp_path):
+    path = save(hf_model(seed=1, tie_word_embeddings=True), tmp_path)
+    model = load(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.lm_head.weight.is_meta

@@ -1,0 +1,209 @@
+"""qwen3.model against transformers' own modules: layer by layer, then whole checkpoints end to end."""
+
+from unittest import mock
+
+import pytest
+import torch
+from checkpoints import hf_config, hf_model, save
+from conftest import DEVICE
+from tolerances import (
+    LAYER_BF16_REL,
+    LAYER_FP32_ATOL,
+    LAYER_FP32_RTOL,
+    LOGITS_BF16_REL,
+    LOGITS_FP32_ATOL,
+    LOGITS_FP32_RTOL,
+    relative_error,
+)
+from transformers.models.qwen3 import modeling_qwen3 as hf
+
+import ops.rmsnorm_triton
+from qwen3 import Qwen3Config, Qwen3ForCausalLM
+from qwen3 import model as ours
+
+
+def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:
+    return Qwen3Config.from_dict(hf_cfg.to_dict(), norm_impl=norm_impl)
+
+
+def hf_causal_mask(T: int, dtype) -> torch.Tensor:
+    return torch.full((T, T), torch.finfo(dtype).min, dtype=dtype, device=DEVICE).triu(1)[None, None]
+
+
+def assert_layer_close(actual, expected):
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=LAYER_FP32_RTOL, atol=LAYER_FP32_ATOL)
+    else:
+        assert relative_error(actual, expected) < LAYER_BF16_REL
+
+
+def hidden(B=2, T=11, D=64, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, D, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ layer by layer
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_theta=10000.0),
+        dict(rope_theta=1_000_000.0),
+        dict(rope_theta=1_000_000.0, max_position_embeddings=4096,
+             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    ],
+    ids=["theta1e4", "theta1e6", "yarn"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding(rope, dtype):
+    cfg = hf_config(**rope)
+    theirs = hf.Qwen3RotaryEmbedding(cfg).to(DEVICE)
+    mine = ours.RotaryEmbedding(our_config(cfg))
+    positions = torch.tensor([[0, 1, 2, 500, 3000], [7, 8, 9, 10, 11]], device=DEVICE)
+    x = torch.empty(1, dtype=dtype, device=DEVICE)
+    cos, sin = mine(positions, dtype)
+    cos_hf, sin_hf = theirs(x, positions)
+    assert torch.equal(cos, cos_hf) and torch.equal(sin, sin_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (4, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_attention(dtype, heads, bias):
+    cfg = hf_config(num_attention_heads=heads[0], num_key_value_heads=heads[1], attention_bias=bias, head_dim=24)
+    torch.manual_seed(1)
+    theirs = hf.Qwen3Attention(cfg, layer_idx=0).to(DEVICE, dtype).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.1) if p.dim() > 1 or p.shape[0] != 24 else p.copy_(1 + 0.2 * torch.randn_like(p))
+    mine = ours.Attention(our_config(cfg), layer_idx=0).to(DEVICE, dtype)
+    mine.load_state_dict(theirs.state_dict())
+    x = hidden(dtype=dtype)
+    positions = torch.arange(x.shape[1], device=DEVICE).expand(x.shape[0], -1)
+    cos, sin = ours.RotaryEmbedding(our_config(cfg))(positions, dtype)
+    with torch.no_grad():
+        expected = theirs(x, (cos, sin), hf_causal_mask(x.shape[1], dtype))[0]
+        actual = mine(x, cos, sin, mask=None)
+    assert_layer_close(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp(dtype):
+    cfg = hf_config()
+    torch.manual_seed(2)
+    theirs = hf.Qwen3MLP(cfg).to(DEVICE, dtype)
+    mine = ours.MLP(our_config(cfg)).to(DEVICE, dtype)
+    mine.load_state_dict(theirs.state_dict())
+    x = hidden(dtype=dtype)
+    with torch.no_grad():
+        assert_layer_close(mine(x), theirs(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_decoder_layer(dtype, norm_impl):
+    model = hf_model(seed=3, dtype=dtype).to(DEVICE)
+    theirs = model.model.layers[0]
+    cfg = our_config(model.config, norm_impl)
+    mine = ours.DecoderLayer(cfg, layer_idx=0).to(DEVICE, dtype)
+    mine.load_state_dict(theirs.state_dict())
+    x = hidden(dtype=dtype)
+    positions = torch.arange(x.shape[1], device=DEVICE).expand(x.shape[0], -1)
+    cos, sin = ours.RotaryEmbedding(cfg)(positions, dtype)
+    with torch.no_grad():
+        expected = theirs(x, attention_mask=hf_causal_mask(x.shape[1], dtype), position_embeddings=(cos, sin))
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        h, residual = mine(x, None, cos, sin, mask=None)
+    assert_layer_close(h + residual, expected)  # HF's `residual + hidden_states`
+
+
+# ------------------------------------------------------------------------------ end to end
+
+E2E_CASES = {
+    "untied-gqa": dict(),
+    "tied": dict(tie_word_embeddings=True),
+    "mqa-bias": dict(num_key_value_heads=1, attention_bias=True),
+    "mha-headdim-unrelated": dict(num_key_value_heads=4, head_dim=40, rope_theta=1_000_000.0),
+    "eps-1e-5-theta-5e5": dict(rms_norm_eps=1e-5, rope_theta=500_000.0, num_hidden_layers=3),
+}
+
+
+def input_ids(vocab: int, B: int = 2, T: int = 13, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.mark.parametrize("case", list(E2E_CASES))
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_logits_match_transformers(tmp_path, case, norm_impl, sharded):
+    reference = hf_model(seed=4, **E2E_CASES[case])
+    save(reference, tmp_path, max_shard_size="100KB" if sharded else None)
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE,
+                                             norm_impl=norm_impl, progress=False)
+    ids = input_ids(reference.config.vocab_size)
+    with torch.no_grad():
+        expected = reference.to(DEVICE)(ids).logits
+        actual = model(ids)
+    torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+
+
+def test_bf16_logits_close_to_transformers_bf16(tmp_path):
+    """Both in bf16: same casts, different matmul/attention kernels (SDPA vs eager)."""
+    reference = hf_model(seed=5, dtype=torch.bfloat16)
+    save(reference, tmp_path)
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, device=DEVICE, progress=False)
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the checkpoint's dtype by default
+    ids = input_ids(reference.config.vocab_size, T=32)
+    with torch.no_grad():
+        expected = reference.to(DEVICE)(ids).logits.float()
+        actual = model(ids).float()
+    assert relative_error(actual, expected) < LOGITS_BF16_REL
+    assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
+
+
+def test_real_qwen3_0_6b_shape(tmp_path):
+    """The real Qwen3-0.6B architecture (28 layers, 151936 vocab, 16x128 heads on a 1024 hidden),
+    random weights, fp32, torch norm."""
+    real = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_theta=1_000_000.0, tie_word_embeddings=True)
+    torch.manual_seed(6)
+    reference = hf.Qwen3ForCausalLM(hf_config(**real)).eval()  # HF's own init at this scale
+    save(reference, tmp_path)
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, norm_impl="torch", progress=False)
+    ids = input_ids(real["vocab_size"], B=1, T=24)
+    with torch.no_grad():
+        expected = reference(ids.cpu()).logits
+        actual = model(ids.cpu())
+    torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+
+
+def test_norm_impl_switch_changes_the_kernel_not_the_logits(tmp_path):
+    reference = hf_model(seed=7)
+    save(reference, tmp_path)
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE,
+                                             norm_impl="torch", progress=False)
+    ids = input_ids(reference.config.vocab_size)
+    n_layers = reference.config.num_hidden_layers
+    norms_per_forward = 4 * n_layers + 1  # input, post-attention, q, k per layer; final
+    with torch.no_grad(), mock.patch.object(
+        ops.rmsnorm_triton, "forward", wraps=ops.rmsnorm_triton.forward
+    ) as triton_forward:
+        with_torch = model(ids)
+        assert triton_forward.call_count == 0
+        model.set_norm_impl("triton")
+        with_triton = model(ids)
+        assert triton_forward.call_count == norms_per_forward
+    torch.testing.assert_close(with_triton, with_torch, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+    with pytest.raises(ValueError, match="norm_impl must be one of"):
+        model.set_norm_impl("fastest")
+
+
+def test_forward_refuses_bad_input(tmp_path):
+    model = Qwen3ForCausalLM(Qwen3Config.from_dict(hf_config().to_dict(), max_position_embeddings=16))
+    with pytest.raises(TypeError, match="LongTensor"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="exceed max_position_embeddings=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
