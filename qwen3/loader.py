@@ -102,4 +102,7 @@ def load_model(
             with _open(path / shard) as f:
                 for key in keys:
                     params[key].copy_(f.get_tensor(key))
+    generation_config = path / "generation_config.json"
+    if generation_config.exists():
+        model.generation_config = json.loads(generation_config.read_text())
     return model.eval()

@@ -214,6 +214,7 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
+        self.generation_config: dict = {}  # generation_config.json's defaults, set by the loader
         self.model = Qwen3Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

@@ -46,3 +46,39 @@ def save(model: transformers.PreTrainedModel, directory: Path, max_shard_size: s
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory
+
+
+# A Qwen3-style chat template (ChatML turns; enable_thinking=False pre-fills an empty think block).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}"
+    "{%- endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os\nprint(os.path.join('a', 'b'))\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello, wörld! Grüße — naïve café, 你好, emoji 🙂\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+] * 20
+
+
+def save_tokenizer(directory: Path, vocab_size: int = SMALL["vocab_size"], chat: bool = True) -> Path:
+    """A byte-level BPE trained here with `tokenizers`, saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    if chat:
+        wrapped.chat_template = CHAT_TEMPLATE
+    wrapped.save_pretrained(directory)
+    return directory

@@ -1,0 +1,75 @@
+"""Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, then a draw.
+
+The order is transformers': repetition/presence penalties, temperature, top-k, top-p, min-p.
+Temperature 0 means greedy (argmax of the penalized logits).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # >1 discourages tokens already in the sequence (HF's rule)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already present
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [B, V] fp32; seen [B, V] bool marks tokens in the prompt or generated so far."""
+    if params.repetition_penalty != 1.0:
+        penalized = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.presence_penalty != 0.0:
+        logits = logits - params.presence_penalty * seen.to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p; filtered tokens get -inf. Keeps >= 1 token per row."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens before it already hold top_p: the one that crosses stays in.
+        drop_sorted = probs.cumsum(-1) - probs > params.top_p
+        drop_sorted[..., 0] = False
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def next_token(
+    logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Token ids [B] chosen from logits [B, V]."""
+    logits = apply_penalties(logits.float(), seen, params)
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = filter_logits(logits, params).softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,49 @@
+"""Text in and out: the checkpoint's tokenizer, the chat prompt, and streaming detokenization."""
+
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    path = Path(path)
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = True, thinking: bool = True) -> list[int]:
+    """Token ids for one prompt: through the chat template (as a user turn, with the assistant's
+    turn opened, thinking on or off) when asked and the tokenizer has one; else raw completion."""
+    if chat and tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+class TextStream:
+    """Turns a growing list of token ids into text pieces, never splitting a multi-byte
+    character: text ending in an incomplete UTF-8 sequence (U+FFFD) is held back."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0  # characters already emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.printed = text[self.printed :], len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self.printed = text[self.printed :], len(text)
+        return piece
