@@ -85,16 +85,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(s), s) with s = x + residual rounded to x's dtype, in one pass over memory."""
+    """(rms_norm(s), s) with s = x + residual in one pass over memory. s has torch's dtype for
+    `x + residual` (x's dtype when both share it, as in the HF decoder; fp32 when an autocast
+    branch output meets an fp32 residual stream)."""
     concrete = _check(x, weight, eps, impl)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a tensor, got {type(residual).__name__}")
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+    if residual.shape != x.shape or residual.device != x.device:
         raise ValueError(
-            "residual must match x in shape, dtype and device: got "
-            f"{tuple(residual.shape)} {residual.dtype} {residual.device} for x "
-            f"{tuple(x.shape)} {x.dtype} {x.device}"
+            f"residual must match x in shape and device: got {tuple(residual.shape)} on {residual.device} "
+            f"for x {tuple(x.shape)} on {x.device}"
         )
+    if not residual.is_floating_point() or (concrete != "torch" and residual.dtype not in _KERNEL_DTYPES):
+        raise TypeError(f"residual must be float32, float16 or bfloat16, got {residual.dtype}")
     if concrete == "torch":
         return fused_add_rms_norm_torch(x, residual, weight, eps)
     if concrete == "cuda":

@@ -18,7 +18,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
 def fused_add_rms_norm_torch(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first,
-    as the Hugging Face decoder does with `hidden_states = residual + hidden_states`."""
-    summed = (x + residual).to(x.dtype)
+    """Returns (rms_norm(x + residual), x + residual), the sum in torch's promoted dtype, exactly
+    as the Hugging Face decoder computes `hidden_states = residual + hidden_states`."""
+    summed = residual + x
     return rms_norm_torch(summed, weight, eps), summed

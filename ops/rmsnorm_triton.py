@@ -58,13 +58,13 @@ def _forward_one_pass(
         r_rows = (rows // r_inner) * r_stride_outer + (rows % r_inner) * r_stride_inner
         res = tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0)
         # The sum is rounded to x's dtype, as `residual + hidden_states` is in the HF decoder.
-        x = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty)
+        x = _round(x.to(tl.float32) + res.to(tl.float32), S.dtype.element_ty)
         tl.store(S + out_rows, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=row_ok)
-    normalized = _round(xf * rstd[:, None], X.dtype.element_ty).to(tl.float32)
+    normalized = _round(xf * rstd[:, None], S.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(Y + out_rows, _round(normalized * w[None, :], Y.dtype.element_ty), mask=mask)
 
@@ -90,7 +90,7 @@ def _forward_looped(
         x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last")
         if HAS_RESIDUAL:
             res = tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
-            x = _round(x.to(tl.float32) + res.to(tl.float32), X.dtype.element_ty)
+            x = _round(x.to(tl.float32) + res.to(tl.float32), S.dtype.element_ty)
             tl.store(S + out_row + cols, x, mask=ok)
         xf = x.to(tl.float32)
         acc += xf * xf
@@ -104,7 +104,7 @@ def _forward_looped(
             x = tl.load(S + out_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
         else:
             x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
-        normalized = _round(x.to(tl.float32) * rstd, X.dtype.element_ty).to(tl.float32)
+        normalized = _round(x.to(tl.float32) * rstd, S.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
         tl.store(Y + out_row + cols, _round(normalized * w, Y.dtype.element_ty), mask=ok)
 
@@ -183,17 +183,34 @@ def _readable_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]
     return x, layout
 
 
+# Bytes of one (padded) row -> (rows per program, warps): the best or near-best of
+# scripts/sweep_rmsnorm.py on the H200 for both the plain and the fused-add forward
+# (docs/benchmarks/rmsnorm-notes.md). Rows up to 1 KiB are packed into 2 KiB programs.
+_FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 16), 16384: (1, 8), 32768: (1, 16), 65536: (1, 16)}
+
+
 @functools.lru_cache(maxsize=None)
 def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_ROWS, num_warps) for the one-pass kernel; BLOCK_ROWS == 0 means looped.
-    Small rows are packed several per program so each program moves ~16 KiB of input."""
+    Cached per (D, dtype size), so decode steps never recompute it."""
     block_d = triton.next_power_of_2(D)
     if block_d > MAX_ONE_PASS_D:
         return LOOPED_BLOCK_D, 0, 8
-    block_rows = max(1, min(32, 16384 // (block_d * elem_size)))
     row_bytes = block_d * elem_size
-    num_warps = min(16, max(1, row_bytes * block_rows // 2048))
+    if row_bytes <= 1024:
+        return block_d, 2048 // row_bytes, 4
+    block_rows, num_warps = _FORWARD_TABLE[row_bytes]
     return block_d, block_rows, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def backward_config(D: int, sm_count: int) -> tuple[int, int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps, programs) for the backward, from the same sweep: ~8K
+    elements per step of a program, 2 programs per SM (4 for narrow rows)."""
+    block_d = triton.next_power_of_2(D)
+    block_rows = max(1, min(32, 8192 // block_d))
+    num_warps = min(16, max(4, block_rows * block_d // 1024))
+    return block_d, block_rows, num_warps, sm_count * (4 if block_d <= 1024 else 2)
 
 
 def forward(
@@ -204,10 +221,12 @@ def forward(
     store_rstd: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel: returns (y, sum or None, rstd or None). Inputs are validated
-    by ops.rms_norm; y has the promoted dtype, sum x's dtype, rstd fp32 per row."""
+    by ops.rms_norm. The sum has torch's dtype for `x + residual`, y the promotion of the
+    normalized input's dtype with the weight's, rstd is fp32 per row."""
     D = x.shape[-1]
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    in_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    y = torch.empty(x.shape, dtype=torch.promote_types(in_dtype, weight.dtype), device=x.device)
+    summed = torch.empty(x.shape, dtype=in_dtype, device=x.device) if residual is not None else None
     n_rows = x.numel() // D
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
     if n_rows == 0:
@@ -219,9 +238,9 @@ def forward(
         r_layout = x_layout
     weight = weight.contiguous()
     block_d, block_rows, num_warps = forward_config(D, x.element_size())
-    common = (
+    common = (  # without a residual, S is x: its dtype is the one the normalized row is rounded to
         x, residual if residual is not None else x, weight, y,
-        summed if summed is not None else y, rstd if rstd is not None else y,
+        summed if summed is not None else x, rstd if rstd is not None else y,
         n_rows, D, eps, *x_layout, *r_layout,
     )
     flags = dict(HAS_RESIDUAL=residual is not None, STORE_RSTD=store_rstd)
@@ -236,10 +255,10 @@ def forward(
 
 
 @functools.lru_cache(maxsize=None)
-def _program_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # the interpreter: few programs, each over many rows
 
 
 def backward(
@@ -260,17 +279,15 @@ def backward(
     x, x_layout = _readable_rows(x)
     dy = dy.contiguous()
     d_sum = d_sum.contiguous() if d_sum is not None else None
-    block_d = triton.next_power_of_2(D)
-    block_rows = max(1, min(16, 2048 // block_d))
-    programs = min(_program_count(x.device), triton.cdiv(n_rows, block_rows))
+    block_d, block_rows, num_warps, programs = backward_config(D, _sm_count(x.device))
+    programs = min(programs, triton.cdiv(n_rows, block_rows))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_rows) * block_rows
     programs = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
     _backward[(programs,)](
         dy, x, weight.contiguous(), rstd.contiguous(), d_sum if d_sum is not None else dy, dx, partial,
         n_rows, D, rows_per_program, *x_layout,
-        BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_DS=d_sum is not None,
-        num_warps=min(16, max(4, block_d * block_rows // 512)),
+        BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_DS=d_sum is not None, num_warps=num_warps,
     )
     # A fixed-order sum over a fixed number of partials: deterministic for a given shape.
     return dx, partial.sum(0).to(weight.dtype)
@@ -314,8 +331,9 @@ def _(x, weight, eps):
 
 @fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):
-    y, rstd = _fake_outputs(x, weight)
-    return y, x.new_empty(x.shape), rstd
+    summed = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    y, rstd = _fake_outputs(summed, weight)
+    return y, summed, rstd
 
 
 @rms_norm_backward_op.register_fake
@@ -325,6 +343,7 @@ def _(dy, x, weight, rstd, d_sum):
 
 def _setup_context(ctx, inputs, output):
     x, weight = inputs[0], inputs[-2]
+    ctx.input_dtypes = [t.dtype for t in inputs[:-2]]
     # The fused op's backward needs the normalized input, which is its sum output.
     ctx.save_for_backward(output[1] if len(output) == 3 else x, weight, output[-1])
 
@@ -338,7 +357,8 @@ def _rms_norm_grad(ctx, dy, d_rstd):
 def _fused_add_rms_norm_grad(ctx, dy, d_sum, d_rstd):
     summed, weight, rstd = ctx.saved_tensors
     d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
-    return d_summed, d_summed, dw, None
+    x_dtype, residual_dtype = ctx.input_dtypes
+    return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None
 
 
 rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_context)

@@ -168,6 +168,16 @@ def test_fused_add_matches_hf_decoder(impl, dtype, D):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
+@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+def test_fused_add_promotes_like_the_hf_decoder_under_autocast(impl):
+    """Autocast training: bf16 branch output + fp32 residual stream -> fp32 sum, as torch adds."""
+    x, residual = randn(6, 256, dtype=torch.bfloat16, seed=5), randn(6, 256, seed=6)
+    module = hf_norm(256)
+    y, summed = fused_add_rms_norm(x, residual, module.weight.detach(), impl=impl)
+    assert summed.dtype == torch.float32 and torch.equal(summed, residual + x)
+    assert_rmsnorm_close(y, reference(residual + x, module))
+
+
 def test_fused_add_on_strided_views():
     name, x = strided_views()[0]
     residual = randn(*x.shape, dtype=x.dtype, seed=9)
@@ -223,8 +233,8 @@ def test_errors_name_the_problem(monkeypatch):
         rms_norm(x.double(), w.double(), impl="triton")
     with pytest.raises(ValueError, match="residual must match x"):
         fused_add_rms_norm(x, randn(4, 9), w)
-    with pytest.raises(ValueError, match="residual must match x"):
-        fused_add_rms_norm(x, x.half(), w)
+    with pytest.raises(TypeError, match="residual must be float32"):
+        fused_add_rms_norm(x, x.long(), w, impl="triton")
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the CPU-without-interpreter error")

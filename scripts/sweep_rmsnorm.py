@@ -1,0 +1,118 @@
+"""Launch-config sweep for the Triton RMSNorm kernels on a GPU: rows per program x warps.
+
+Its output is what the heuristics in ops/rmsnorm_triton.py (forward_config, backward_config)
+are read from; docs/benchmarks/rmsnorm-notes.md records the runs. Prints a table, writes JSON.
+
+    python scripts/sweep_rmsnorm.py --out sweep.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops import rmsnorm_triton as tri  # noqa: E402
+
+FORWARD_SHAPES = [(16384, 1024), (16384, 2048), (16384, 4096), (16384, 8192), (131072, 128),
+                  (512, 128), (512, 1024), (512, 4096), (512, 8192)]
+BACKWARD_SHAPES = [(16384, 4096), (4096, 4096), (16384, 8192), (131072, 128)]
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def sweep_forward(dtype, rows, D, residual: bool):
+    x = torch.randn(rows, D, device="cuda", dtype=dtype)
+    r = torch.randn_like(x) if residual else x
+    w = torch.randn(D, device="cuda", dtype=dtype)
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    nbytes = x.numel() * x.element_size() * (4 if residual else 2)
+    block_d = triton.next_power_of_2(D)
+    results = []
+    for block_rows in (1, 2, 4, 8, 16, 32, 64):
+        tile = block_rows * block_d  # elements per program: keep it in 1K..16K (or a single row)
+        if block_rows > rows or tile > 16384 or (tile < 1024 and block_rows > 1 and block_rows < 64):
+            continue
+        for warps in (2, 4, 8, 16):
+            if warps * 32 * 4 > tile:  # fewer than 4 elements per thread
+                continue
+            grid = (triton.cdiv(rows, block_rows),)
+
+            def launch():
+                tri._forward_one_pass[grid](x, r, w, y, s, y, rows, D, 1e-6, rows, 0, D, rows, 0, D,
+                                            BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_RESIDUAL=residual,
+                                            STORE_RSTD=False, num_warps=warps)
+
+            ms = do_bench(launch, warmup=5, rep=20, return_mode="median")
+            results.append(dict(block_rows=block_rows, warps=warps, us=ms * 1e3, GBps=gbps(nbytes, ms)))
+    return sorted(results, key=lambda r: -r["GBps"])
+
+
+def sweep_backward(dtype, rows, D):
+    x = torch.randn(rows, D, device="cuda", dtype=dtype)
+    w = torch.randn(D, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    dx = torch.empty_like(x)
+    rstd = torch.rand(rows, device="cuda")
+    block_d = triton.next_power_of_2(D)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes = x.numel() * x.element_size() * 4  # x read twice (fwd+bwd), dy read, dx written
+    results = []
+    for block_rows in (1, 2, 4, 8, 16, 32):
+        if block_rows * block_d > 16384 or (block_rows * block_d < 2048 and block_rows < 32):
+            continue
+        for warps in (4, 8, 16):
+            for per_sm in (1, 2, 4):
+                programs = min(per_sm * sms, triton.cdiv(rows, block_rows))
+                rpp = triton.cdiv(triton.cdiv(rows, programs), block_rows) * block_rows
+                programs = triton.cdiv(rows, rpp)
+                partial = torch.empty(programs, D, device="cuda")
+
+                def launch():
+                    tri._backward[(programs,)](dy, x, w, rstd, dy, dx, partial, rows, D, rpp, rows, 0, D,
+                                               BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_DS=False,
+                                               num_warps=warps)
+                    partial.sum(0)
+
+                ms = do_bench(launch, warmup=5, rep=20, return_mode="median")
+                results.append(dict(block_rows=block_rows, warps=warps, per_sm=per_sm, us=ms * 1e3,
+                                    GBps=gbps(nbytes, ms)))
+    return sorted(results, key=lambda r: -r["GBps"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    src = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy = gbps(2 * src.numel() * 2, do_bench(lambda: dst.copy_(src), return_mode="median"))
+    out = {"copy_GBps": copy, "forward": [], "backward": []}
+    print(f"copy {copy:.0f} GB/s")
+    for residual in (False, True):
+        for dtype in (torch.bfloat16, torch.float32):
+            for rows, D in FORWARD_SHAPES:
+                if dtype == torch.float32 and (rows == 512 or residual or D < 4096):
+                    continue
+                res = sweep_forward(dtype, rows, D, residual)
+                best = res[0]
+                out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, top=res[:5]))
+                print(f"fwd{'+add' if residual else ''} {str(dtype)[6:]:9} {rows}x{D}: best rows={best['block_rows']}"
+                      f" warps={best['warps']} {best['GBps']:.0f} GB/s {best['us']:.1f} us")
+    for rows, D in BACKWARD_SHAPES:
+        res = sweep_backward(torch.bfloat16, rows, D)
+        best = res[0]
+        out["backward"].append(dict(dtype="bfloat16", rows=rows, D=D, top=res[:5]))
+        print(f"bwd {rows}x{D}: best rows={best['block_rows']} warps={best['warps']} per_sm={best['per_sm']}"
+              f" {best['us']:.1f} us")
+    args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
