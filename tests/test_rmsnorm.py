@@ -6,7 +6,7 @@ machine, on CUDA tensors with compiled kernels. The reference is always the HF m
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tolerances import assert_rmsnorm_close
@@ -15,7 +15,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 import ops
 from ops import fused_add_rms_norm, rms_norm
 
-KERNEL_IMPLS = ["torch", "triton"]
+KERNEL_IMPLS = ["torch", "triton", pytest.param("cuda", marks=requires_cuda)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, the widest one-pass
 # row, and one wide enough for the looped two-pass kernel.
@@ -168,7 +168,7 @@ def test_fused_add_matches_hf_decoder(impl, dtype, D):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-@pytest.mark.parametrize("impl", KERNEL_IMPLS)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_fused_add_promotes_like_the_hf_decoder_under_autocast(impl):
     """Autocast training: bf16 branch output + fp32 residual stream -> fp32 sum, as torch adds."""
     x, residual = randn(6, 256, dtype=torch.bfloat16, seed=5), randn(6, 256, seed=6)

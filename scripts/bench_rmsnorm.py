@@ -1,0 +1,204 @@
+"""RMSNorm benchmark on a GPU, side by side in one process (triton.testing.perf_report).
+
+    python scripts/bench_rmsnorm.py --out docs/benchmarks
+
+(a) the blog's figure: 2x256xD, D = 128..8192, fp32/fp16/bf16, microseconds per call including
+    the Python wrapper (these shapes are launch-bound);
+(b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128;
+(d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16.
+Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
+the device-to-device copy of the same bytes (the roofline). Writes rmsnorm-h200.json and PNGs.
+"""
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing as tt
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import ops  # noqa: E402
+from ops.rmsnorm_torch import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+
+try:
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+except ImportError:
+    LigerRMSNormFunction = LigerFusedAddRMSNormFunction = None
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EPS = 1e-6
+RESULTS: list[dict] = []
+compiled_norm = torch.compile(rms_norm_torch, dynamic=False)
+compiled_fused = torch.compile(fused_add_rms_norm_torch, dynamic=False)
+torch._dynamo.config.cache_size_limit = 256
+
+
+def liger_norm(x, w, eps):  # Liger's "llama" casting mode is HF's cast order
+    return LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True)
+
+
+def liger_fused(x, r, w, eps):
+    return LigerFusedAddRMSNormFunction.apply(x, r, w, eps, 0.0, "llama", False)
+
+
+FORWARD = {
+    "triton": lambda x, w: ops.rms_norm(x, w, EPS, impl="triton"),
+    "cuda": lambda x, w: ops.rms_norm(x, w, EPS, impl="cuda"),
+    "F.rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
+    "hf_eager": lambda x, w: rms_norm_torch(x, w, EPS),
+    "compiled_hf": lambda x, w: compiled_norm(x, w, EPS),
+    "liger": lambda x, w: liger_norm(x, w, EPS),
+    "copy": lambda x, w: x.clone(),
+}
+FUSED = {
+    "triton": lambda x, r, w: ops.fused_add_rms_norm(x, r, w, EPS, impl="triton"),
+    "cuda": lambda x, r, w: ops.fused_add_rms_norm(x, r, w, EPS, impl="cuda"),
+    "hf_eager": lambda x, r, w: fused_add_rms_norm_torch(x, r, w, EPS),
+    "compiled_hf": lambda x, r, w: compiled_fused(x, r, w, EPS),
+    "liger": lambda x, r, w: liger_fused(x, r, w, EPS),
+    "copy": lambda x, r, w: (x.clone(), r.clone()),
+}
+
+
+def available(names):
+    return [n for n in names if n != "liger" or LigerRMSNormFunction is not None]
+
+
+def wall_us_per_call(fn, calls: int = 300) -> float:
+    """Host wall-clock per call including the Python wrapper, GPU work overlapped (launch-bound)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def record(op, impl, dtype, rows, D, nbytes, us):
+    gbps = nbytes / (us * 1e-6) / 1e9
+    RESULTS.append(dict(op=op, impl=impl, dtype=dtype, rows=rows, D=D, us=round(us, 3), GBps=round(gbps, 1)))
+    return gbps
+
+
+def inputs(rows, D, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, D, device="cuda", dtype=dtype, generator=gen)
+    return x, torch.randn(D, device="cuda", dtype=dtype, generator=gen)
+
+
+def forward_benchmark(name, rows, x_vals, dtypes, lines, wall=False):
+    return [tt.Benchmark(x_names=["D"], x_vals=x_vals, line_arg="impl", line_vals=lines, line_names=lines,
+                         ylabel="us per call" if wall else "GB/s", plot_name=f"{name}-{dt}",
+                         args=dict(rows=rows, dtype=dt, wall=wall)) for dt in dtypes]
+
+
+def bench_forward(D, impl, rows, dtype, wall):
+    x, w = inputs(rows, D, DTYPES[dtype])
+    fn = FORWARD[impl]
+    nbytes = 2 * x.numel() * x.element_size() + w.numel() * w.element_size()
+    us = wall_us_per_call(lambda: fn(x, w)) if wall else tt.do_bench(lambda: fn(x, w), return_mode="median") * 1e3
+    gbps = record("rms_norm", impl, dtype, rows, D, nbytes, us)
+    return us if wall else gbps
+
+
+def bench_fused(D, impl, rows, dtype, wall):
+    x, w = inputs(rows, D, DTYPES[dtype])
+    r = torch.randn_like(x)
+    fn = FUSED[impl]
+    nbytes = 4 * x.numel() * x.element_size() + w.numel() * w.element_size()
+    us = tt.do_bench(lambda: fn(x, r, w), return_mode="median") * 1e3
+    return record("fused_add_rms_norm", impl, dtype, rows, D, nbytes, us)
+
+
+BACKWARD = {
+    "triton": lambda x, w: ops.rms_norm(x, w, EPS, impl="triton"),
+    "F.rms_norm": FORWARD["F.rms_norm"],
+    "hf_eager": FORWARD["hf_eager"],
+    "compiled_hf": FORWARD["compiled_hf"],
+    "liger": FORWARD["liger"],
+}
+
+
+def bench_fwd_bwd(D, impl, rows, dtype, wall):
+    x, w = inputs(rows, D, DTYPES[dtype])
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    dy = torch.randn_like(x)
+    fn = BACKWARD[impl]
+
+    def step():
+        x.grad = w.grad = None
+        fn(x, w).backward(dy)
+
+    us = tt.do_bench(step, return_mode="median") * 1e3
+    nbytes = 5 * x.numel() * x.element_size()  # x twice, y, dy, dx (the issue's roofline count)
+    return record("fwd_bwd", impl, dtype, rows, D, nbytes, us)
+
+
+def run(benchmarks, fn, out: Path):
+    report = tt.perf_report(benchmarks)(fn)
+    report.run(save_path=str(out), print_data=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--skip", nargs="*", default=[], help="parts to skip: a b c d e")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    src = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)
+    copy_gbps = 2 * src.numel() * 2 / (tt.do_bench(lambda: src.clone(), return_mode="median") * 1e-3) / 1e9
+    print(f"copy: {copy_gbps:.0f} GB/s")
+    del src
+    fwd_lines = available(["triton", "cuda", "F.rms_norm", "hf_eager", "compiled_hf", "liger", "copy"])
+    blog_D = [128, 256, 512, 1024, 2048, 2176, 4096, 8192]
+    if "a" not in args.skip:
+        run(forward_benchmark("blog-2x256xD-us", 512, blog_D, list(DTYPES), fwd_lines, wall=True),
+            bench_forward, args.out)
+    if "b" not in args.skip:
+        run(forward_benchmark("rows16384", 16384, [1024, 2048, 4096, 8192], list(DTYPES), fwd_lines),
+            bench_forward, args.out)
+    if "c" not in args.skip:
+        run(forward_benchmark("qknorm-131072", 131072, [128], ["bfloat16"], fwd_lines), bench_forward, args.out)
+    fused_lines = available(["triton", "cuda", "hf_eager", "compiled_hf", "liger", "copy"])
+    if "d" not in args.skip:
+        for rows, Ds in ((16384, [1024, 2048, 4096, 8192]), (131072, [128])):
+            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=fused_lines,
+                              line_names=fused_lines, ylabel="GB/s", plot_name=f"fused-add-rows{rows}-bfloat16",
+                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fused, args.out)
+    bwd_lines = available(list(BACKWARD))
+    if "e" not in args.skip:
+        for rows, Ds in ((4096, [4096]), (16384, [4096, 8192]), (131072, [128])):
+            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=bwd_lines,
+                              line_names=bwd_lines, ylabel="GB/s (5 passes)", plot_name=f"fwd-bwd-rows{rows}-bfloat16",
+                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fwd_bwd, args.out)
+
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, cwd=ROOT).stdout.strip()
+    import transformers
+
+    versions = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
+                    python=sys.version.split()[0], gpu=torch.cuda.get_device_name())
+    if LigerRMSNormFunction is not None:
+        import liger_kernel
+
+        versions["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+    (args.out / "rmsnorm-h200.json").write_text(json.dumps(dict(
+        copy_GBps=round(copy_gbps, 1), date=datetime.date.today().isoformat(),
+        commit=commit or "unknown", versions=versions, results=RESULTS), indent=1))
+
+
+if __name__ == "__main__":
+    main()
