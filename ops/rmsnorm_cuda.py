@@ -166,7 +166,7 @@ void rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& resi
 """
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _extension():
     if not torch.cuda.is_available():
         raise ValueError("impl='cuda' needs a CUDA device, and none is available")

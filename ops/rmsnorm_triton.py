@@ -189,7 +189,7 @@ def _readable_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]
 _FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 16), 16384: (1, 8), 32768: (1, 16), 65536: (1, 16)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_ROWS, num_warps) for the one-pass kernel; BLOCK_ROWS == 0 means looped.
     Cached per (D, dtype size), so decode steps never recompute it."""
@@ -203,7 +203,7 @@ def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
     return block_d, block_rows, num_warps
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def backward_config(D: int, sm_count: int) -> tuple[int, int, int, int]:
     """(BLOCK_D, BLOCK_ROWS, num_warps, programs) for the backward, from the same sweep: ~8K
     elements per step of a program, 2 programs per SM (4 for narrow rows)."""
@@ -254,7 +254,7 @@ def forward(
     return y, summed, rstd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -69,7 +69,7 @@ def main() -> None:
         torch.manual_seed(0)
         transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_0_6B)).save_pretrained(path)
     ours = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, device=device, norm_impl=args.norm, progress=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device)).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     ids = torch.randint(0, ours.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
