@@ -83,8 +83,8 @@ def main() -> None:
     same = results["ours"].pop("tokens") == results["transformers"].pop("tokens")
     summary = dict(model=str(path.name), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=args.dtype, prompt=args.prompt, new=args.new, norm=ours.config.norm_impl,
-                   weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same, torch=torch.__version__,
-                   transformers=transformers.__version__, **results)
+                   weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same,
+                   versions=dict(torch=torch.__version__, transformers=transformers.__version__), **results)
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
