@@ -59,13 +59,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> str:
     return concrete
 
 
-def _wants_op(*tensors: torch.Tensor) -> bool:
-    """Go through the registered torch op (autograd, torch.compile) only when it is needed:
-    its dispatch costs several microseconds per call, which decode steps feel."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return needs_grad or torch.compiler.is_compiling()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str = "auto") -> torch.Tensor:
     """Hugging Face Qwen3RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), fp32 inside."""
     concrete = _check(x, weight, eps, impl)
@@ -77,9 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, impl: str
         return rmsnorm_cuda.rms_norm(x, weight, eps)
     from . import rmsnorm_triton
 
-    if _wants_op(x, weight):
-        return rmsnorm_triton.rms_norm_op(x, weight, float(eps))[0]
-    return rmsnorm_triton.forward(x, weight, float(eps))[0]
+    return rmsnorm_triton.rms_norm(x, weight, float(eps))
 
 
 def fused_add_rms_norm(
@@ -106,8 +97,4 @@ def fused_add_rms_norm(
         return rmsnorm_cuda.fused_add_rms_norm(x, residual, weight, eps)
     from . import rmsnorm_triton
 
-    if _wants_op(x, residual, weight):
-        y, summed, _ = rmsnorm_triton.fused_add_rms_norm_op(x, residual, weight, float(eps))
-        return y, summed
-    y, summed, _ = rmsnorm_triton.forward(x, weight, float(eps), residual=residual)
-    return y, summed
+    return rmsnorm_triton.fused_add_rms_norm(x, residual, weight, float(eps))
