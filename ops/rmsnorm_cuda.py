@@ -1,9 +1,11 @@
 """Hand-written CUDA C++ RMSNorm (forward and fused residual add), JIT-built on first use.
 
-One block per row; 16-byte vector loads where the row allows; the sum of squares in fp32,
-reduced with warp shuffles then across warps through shared memory; HF's cast order (the
-normalized value rounded to the input dtype before the weight multiply). fp32/fp16/bf16 for
-x, residual and weight through templates. Built with torch.utils.cpp_extension.load_inline
+Short rows get one warp each, long rows one block each; the row is held in registers as 16-byte
+vectors (loaded and stored 16 bytes at a time) and read once; the sum of squares is taken in
+fp32 and reduced with warp shuffles (then across warps through shared memory); HF's cast order
+(the normalized value rounded to the input dtype before the weight multiply). fp32/fp16/bf16
+for x, residual and weight through templates; rows that are too long or misaligned for vectors
+take a scalar kernel that reads them twice. Built with torch.utils.cpp_extension.load_inline
 and cached by torch in its extensions directory.
 """
 
@@ -13,7 +15,8 @@ import torch
 
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -24,76 +27,89 @@ template <typename T> __device__ __forceinline__ T from_f(float v) { return stat
 template <> __device__ __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
 
-// Sum over the block: shuffles within each warp, then the warp totals through shared memory.
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+  return v;
+}
+
+// Sum over a one-row block: shuffles within each warp, then the warp totals through shared memory.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float warp_totals[32];
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+  v = warp_sum(v);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) warp_totals[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < (blockDim.x + 31) / 32 ? warp_totals[lane] : 0.f;
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    v = warp_sum(lane < (blockDim.x + 31) / 32 ? warp_totals[lane] : 0.f);
     if (lane == 0) warp_totals[0] = v;
   }
   __syncthreads();
   return warp_totals[0];
 }
 
-// VEC elements per 16-byte access (the scalar kernel below takes rows whose length or alignment
-// forbids vectors). The row is read twice, the second time from L1/L2, so any D works.
-template <typename T, typename R, typename W, typename O, int VEC>
-__global__ void rms_norm_kernel(const T* __restrict__ x, const R* __restrict__ residual,
+// Each thread holds CHUNKS 16-byte chunks (VEC elements each) of its row in registers, so the
+// row is read once. blockDim.x threads share a row: 32 (one warp per row, blockDim.y rows per
+// block) for short rows, up to 1024 (one row per block) for long ones.
+template <typename T, typename W, typename O, int VEC, int CHUNKS>
+__global__ void rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ residual,
                                 const W* __restrict__ weight, O* __restrict__ y, T* __restrict__ sum_out,
-                                int64_t D, int64_t x_stride, int64_t r_stride, float eps) {
-  using S = T;  // the sum is rounded to the input dtype (callers pass residual of x's dtype)
-  const int64_t row = blockIdx.x;
+                                int64_t rows, int64_t D, int64_t x_stride, int64_t r_stride, float eps) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;  // only warp-per-row blocks can overhang, and they never __syncthreads
   const T* xr = x + row * x_stride;
-  const R* rr = residual ? residual + row * r_stride : nullptr;
-  S* sr = sum_out ? sum_out + row * D : nullptr;
+  alignas(16) T v[CHUNKS][VEC];
   float sq = 0.f;
-  for (int64_t i = threadIdx.x * VEC; i < D; i += blockDim.x * VEC) {
-    alignas(16) T xv[VEC];
-    *reinterpret_cast<uint4*>(xv) = *reinterpret_cast<const uint4*>(xr + i);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      float v = to_f(xv[k]);
-      if (rr) { xv[k] = from_f<S>(v + to_f(rr[i + k])); v = to_f(xv[k]); }
-      sq += v * v;
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int64_t i = (static_cast<int64_t>(c) * blockDim.x + threadIdx.x) * VEC;
+    if (i < D) {
+      *reinterpret_cast<uint4*>(v[c]) = *reinterpret_cast<const uint4*>(xr + i);
+      if (residual) {  // the sum, rounded to the input dtype as HF's residual + hidden_states is
+        alignas(16) T r[VEC];
+        *reinterpret_cast<uint4*>(r) = *reinterpret_cast<const uint4*>(residual + row * r_stride + i);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) v[c][k] = from_f<T>(to_f(v[c][k]) + to_f(r[k]));
+        *reinterpret_cast<uint4*>(sum_out + row * D + i) = *reinterpret_cast<uint4*>(v[c]);
+      }
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sq += to_f(v[c][k]) * to_f(v[c][k]);
     }
-    if (sr) *reinterpret_cast<uint4*>(sr + i) = *reinterpret_cast<uint4*>(xv);
   }
-  const float rstd = rsqrtf(block_sum(sq) / static_cast<float>(D) + eps);
-  const S* src = sr ? sr : xr;
-  for (int64_t i = threadIdx.x * VEC; i < D; i += blockDim.x * VEC) {
-    alignas(16) T xv[VEC];
-    *reinterpret_cast<uint4*>(xv) = *reinterpret_cast<const uint4*>(src + i);
-    O out[VEC];
+  const float total = blockDim.x == 32 ? warp_sum(sq) : block_sum(sq);
+  const float rstd = rsqrtf(total / static_cast<float>(D) + eps);
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const float normalized = to_f(from_f<S>(to_f(xv[k]) * rstd));  // HF: round, then weight
-      out[k] = from_f<O>(normalized * to_f(weight[i + k]));
+  for (int c = 0; c < CHUNKS; ++c) {
+    const int64_t i = (static_cast<int64_t>(c) * blockDim.x + threadIdx.x) * VEC;
+    if (i < D) {
+      alignas(16) O out[VEC];
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {  // HF: round the normalized value, then multiply by the weight
+        out[k] = from_f<O>(to_f(from_f<T>(to_f(v[c][k]) * rstd)) * to_f(weight[i + k]));
+      }
+#pragma unroll
+      for (int b = 0; b < static_cast<int>(sizeof(O)) * VEC / 16; ++b) {
+        reinterpret_cast<uint4*>(y + row * D + i)[b] = reinterpret_cast<const uint4*>(out)[b];
+      }
     }
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) y[row * D + i + k] = out[k];
   }
 }
 
-// Scalar fallback for rows whose length or alignment does not allow 16-byte vectors.
-template <typename T, typename R, typename W, typename O>
-__global__ void rms_norm_kernel_scalar(const T* __restrict__ x, const R* __restrict__ residual,
+// Any row: one row per block, read twice (the second time from cache), scalar accesses. Takes
+// rows too long for registers and rows whose length or alignment forbids 16-byte vectors.
+template <typename T, typename W, typename O>
+__global__ void rms_norm_kernel_scalar(const T* __restrict__ x, const T* __restrict__ residual,
                                        const W* __restrict__ weight, O* __restrict__ y, T* __restrict__ sum_out,
                                        int64_t D, int64_t x_stride, int64_t r_stride, float eps) {
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
-  const R* rr = residual ? residual + row * r_stride : nullptr;
+  const T* rr = residual ? residual + row * r_stride : nullptr;
   T* sr = sum_out ? sum_out + row * D : nullptr;
   float sq = 0.f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     T xv = xr[i];
     if (rr) { xv = from_f<T>(to_f(xv) + to_f(rr[i])); sr[i] = xv; }
-    const float v = to_f(xv);
-    sq += v * v;
+    const float f = to_f(xv);
+    sq += f * f;
   }
   const float rstd = rsqrtf(block_sum(sq) / static_cast<float>(D) + eps);
   const T* src = sr ? sr : xr;
@@ -107,56 +123,71 @@ template <typename T> struct cuda_type { using type = T; };
 template <> struct cuda_type<at::BFloat16> { using type = __nv_bfloat16; };
 template <> struct cuda_type<at::Half> { using type = __half; };
 
-template <typename T, typename W, typename O>
+template <typename T, typename W, typename O, int VEC, int CHUNKS>
+void launch_vec(dim3 grid, dim3 block, cudaStream_t stream, const T* x, const T* r, const W* w, O* y, T* s,
+                int64_t rows, int64_t D, int64_t xs, int64_t rs, float eps) {
+  rms_norm_kernel<T, W, O, VEC, CHUNKS><<<grid, block, 0, stream>>>(x, r, w, y, s, rows, D, xs, rs, eps);
+}
+
+template <typename T0, typename W0, typename O0>
 void launch(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-            at::Tensor& y, std::optional<at::Tensor>& sum_out, int64_t rows, int64_t D, float eps) {
-  using CT = typename cuda_type<T>::type;
-  using CW = typename cuda_type<W>::type;
-  using CO = typename cuda_type<O>::type;
-  constexpr int VEC = 16 / sizeof(CT);
-  const CT* xp = reinterpret_cast<const CT*>(x.data_ptr());
-  const CT* rp = residual ? reinterpret_cast<const CT*>(residual->data_ptr()) : nullptr;
-  CT* sp = sum_out ? reinterpret_cast<CT*>(sum_out->data_ptr()) : nullptr;
+            at::Tensor& y, std::optional<at::Tensor>& sum_out, float eps) {
+  using T = typename cuda_type<T0>::type;
+  using W = typename cuda_type<W0>::type;
+  using O = typename cuda_type<O0>::type;
+  constexpr int VEC = 16 / sizeof(T);
+  const int64_t rows = x.size(0), D = x.size(1);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const T* rp = residual ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
+  T* sp = sum_out ? reinterpret_cast<T*>(sum_out->data_ptr()) : nullptr;
+  const W* wp = reinterpret_cast<const W*>(weight.data_ptr());
+  O* yp = reinterpret_cast<O*>(y.data_ptr());
   const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const bool aligned = D % VEC == 0 && xs % VEC == 0 && rs % VEC == 0 &&
-                       reinterpret_cast<uintptr_t>(xp) % 16 == 0 && reinterpret_cast<uintptr_t>(rp) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(sp) % 16 == 0;
-  const int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(32, ((D / VEC + 31) / 32) * 32)));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  auto wp = reinterpret_cast<const CW*>(weight.data_ptr());
-  auto yp = reinterpret_cast<CO*>(y.data_ptr());
-  if (aligned) {
-    rms_norm_kernel<CT, CT, CW, CO, VEC><<<rows, threads, 0, stream>>>(xp, rp, wp, yp, sp, D, xs, rs, eps);
+                       reinterpret_cast<uintptr_t>(xp) % 16 == 0 && reinterpret_cast<uintptr_t>(rp) % 16 == 0;
+  const int64_t chunks = D / VEC;
+  if (aligned && chunks <= 32 * 4) {  // short rows: one warp each, 4 rows per block
+    const dim3 block(32, 4), grid((rows + 3) / 4);
+    if (chunks <= 32) launch_vec<T, W, O, VEC, 1>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+    else if (chunks <= 64) launch_vec<T, W, O, VEC, 2>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+    else launch_vec<T, W, O, VEC, 4>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+  } else if (aligned && chunks <= 512 * 8) {  // long rows: one block of <= 512 threads each
+    const int per_thread = chunks <= 512 ? 1 : chunks <= 1024 ? 2 : chunks <= 2048 ? 4 : 8;
+    const int threads = static_cast<int>(((chunks + per_thread - 1) / per_thread + 31) / 32 * 32);
+    const dim3 block(threads, 1), grid(rows);
+    if (per_thread == 1) launch_vec<T, W, O, VEC, 1>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+    else if (per_thread == 2) launch_vec<T, W, O, VEC, 2>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+    else if (per_thread == 4) launch_vec<T, W, O, VEC, 4>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
+    else launch_vec<T, W, O, VEC, 8>(grid, block, stream, xp, rp, wp, yp, sp, rows, D, xs, rs, eps);
   } else {
-    rms_norm_kernel_scalar<CT, CT, CW, CO><<<rows, threads, 0, stream>>>(xp, rp, wp, yp, sp, D, xs, rs, eps);
+    const int threads = static_cast<int>(std::min<int64_t>(1024, (D + 31) / 32 * 32));
+    rms_norm_kernel_scalar<T, W, O><<<rows, threads, 0, stream>>>(xp, rp, wp, yp, sp, D, xs, rs, eps);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-#define DISPATCH_W(T, O)                                                                       \
-  switch (weight.scalar_type()) {                                                              \
-    case at::kFloat: launch<T, float, O>(x, residual, weight, y, sum_out, rows, D, eps); break; \
-    case at::kHalf: launch<T, at::Half, O>(x, residual, weight, y, sum_out, rows, D, eps); break; \
-    case at::kBFloat16: launch<T, at::BFloat16, O>(x, residual, weight, y, sum_out, rows, D, eps); break; \
-    default: TORCH_CHECK(false, "unsupported weight dtype");                                  \
-  }
-
 // x, residual: [rows, D] with unit column stride; y (and sum_out): contiguous [rows, D].
+// y's dtype is torch's promotion of x's and the weight's: x's when they match, else fp32.
 void rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
                       at::Tensor y, std::optional<at::Tensor> sum_out, double eps) {
-  const int64_t rows = x.size(0), D = x.size(1);
-  if (rows == 0) return;
-  const auto out = y.scalar_type();
-  #define FOR_X(T)                                                                  \
-    if (out == at::kFloat) { DISPATCH_W(T, float) }                                 \
-    else if (out == at::kHalf) { DISPATCH_W(T, at::Half) }                          \
-    else { DISPATCH_W(T, at::BFloat16) }
-  switch (x.scalar_type()) {
-    case at::kFloat: { FOR_X(float) break; }
-    case at::kHalf: { FOR_X(at::Half) break; }
-    case at::kBFloat16: { FOR_X(at::BFloat16) break; }
-    default: TORCH_CHECK(false, "unsupported x dtype");
-  }
+  if (x.size(0) == 0) return;
+  const float e = static_cast<float>(eps);
+  const auto xt = x.scalar_type(), wt = weight.scalar_type();
+  #define SAME(X, T) if (xt == X && wt == X) { launch<T, T, T>(x, residual, weight, y, sum_out, e); return; }
+  #define MIXED(X, WT, T, W) if (xt == X && wt == WT) { launch<T, W, float>(x, residual, weight, y, sum_out, e); return; }
+  SAME(at::kFloat, float)
+  SAME(at::kHalf, at::Half)
+  SAME(at::kBFloat16, at::BFloat16)
+  MIXED(at::kFloat, at::kHalf, float, at::Half)
+  MIXED(at::kFloat, at::kBFloat16, float, at::BFloat16)
+  MIXED(at::kHalf, at::kFloat, at::Half, float)
+  MIXED(at::kHalf, at::kBFloat16, at::Half, at::BFloat16)
+  MIXED(at::kBFloat16, at::kFloat, at::BFloat16, float)
+  MIXED(at::kBFloat16, at::kHalf, at::BFloat16, at::Half)
+  #undef SAME
+  #undef MIXED
+  TORCH_CHECK(false, "unsupported dtypes for the CUDA RMSNorm");
 }
 """
 

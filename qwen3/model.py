@@ -198,7 +198,7 @@ def build_attention_mask(T: int, start: int, key_valid: torch.Tensor | None, dev
     """[B or 1, 1, T, start + T] bool mask: query slot start+i sees key slot j if j <= start+i and
     the key is not padding. None means plain causal attention over the new tokens only.
     Every query sees its own slot, so a padding row never attends to nothing (NaN)."""
-    if start == 0 and key_valid is None:
+    if key_valid is None and (start == 0 or T == 1):  # plain causal, or one new token seeing all
         return None
     q_slots = torch.arange(start, start + T, device=device)[:, None]
     k_slots = torch.arange(start + T, device=device)[None, :]

@@ -8,6 +8,7 @@ per second (parameter bytes x decode tokens/s), for both, and checks they chose 
 """
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -20,9 +21,14 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qwen3 import Qwen3ForCausalLM  # noqa: E402
 
-QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                  max_position_embeddings=40960, rope_theta=1_000_000.0)
+CONFIGS = {  # the real Qwen3 architectures, with transformers' random init
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                 max_position_embeddings=40960, rope_theta=1_000_000.0),
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
+               max_position_embeddings=40960, rope_theta=1_000_000.0),
+}
 
 
 def sync(device):
@@ -54,7 +60,8 @@ def time_hf(model, ids, new, device):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="an existing checkpoint directory")
-    p.add_argument("--config", choices=["0.6b"], help="or build a random-weight checkpoint at this config")
+    p.add_argument("--config", choices=list(CONFIGS), help="or build a random-weight checkpoint at this config")
+    p.add_argument("--commit", default="unknown")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--prompt", type=int, default=128)
@@ -65,9 +72,12 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     path = args.model
     if path is None:
-        path = Path(tempfile.mkdtemp()) / "model"
+        path = Path(tempfile.mkdtemp()) / f"qwen3-{args.config}-random"
         torch.manual_seed(0)
-        transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_0_6B)).save_pretrained(path)
+        with torch.device(device):
+            built = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIGS[args.config])).to(dtype)
+        built.save_pretrained(path)
+        del built
     ours = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, device=device, norm_impl=args.norm, progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
@@ -81,7 +91,8 @@ def main() -> None:
             results[name] = dict(prefill_ms=round(prefill_ms, 1), decode_tok_s=round(tok_s, 1),
                                  decode_GBps=round(weight_bytes * tok_s / 1e9, 1), tokens=out[0].tolist())
     same = results["ours"].pop("tokens") == results["transformers"].pop("tokens")
-    summary = dict(model=str(path.name), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    summary = dict(date=datetime.date.today().isoformat(), commit=args.commit, model=str(path.name),
+                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=args.dtype, prompt=args.prompt, new=args.new, norm=ours.config.norm_impl,
                    weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same,
                    versions=dict(torch=torch.__version__, transformers=transformers.__version__), **results)
