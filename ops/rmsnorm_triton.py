@@ -188,16 +188,16 @@ def _readable_rows(x: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tuple[in
 _compiled: dict[tuple, object] = {}
 
 
-def _launch(kernel, grid: tuple[int], args: tuple, constexprs: tuple, num_warps: int) -> None:
-    """kernel[grid](*args, *constexprs), with Triton's per-call argument binding and cache lookup
+def _launch(kernel, programs: int, args: tuple, constexprs: tuple, num_warps: int) -> None:
+    """kernel[(programs,)](*args, *constexprs), with Triton's per-call argument binding and cache lookup
     (tens of microseconds of host time) done only the first time a specialization is seen.
 
     Triton specializes a compiled kernel on each tensor's dtype and 16-byte alignment and each
     int's value class (1, a multiple of 16, 32- or 64-bit); the key below holds exactly those, so
     a hit launches the very kernel Triton would pick. CompiledKernel[grid](*all args) is how
-    JITFunction.run itself launches (Triton 3.6 through 3.9)."""
+    JITFunction.run itself launches (Triton 3.6 through 3.9); it takes a 3-D grid."""
     if INTERPRETED:
-        kernel[grid](*args, *constexprs, num_warps=num_warps)
+        kernel[(programs,)](*args, *constexprs, num_warps=num_warps)
         return
     key = [kernel, constexprs, num_warps]
     for a in args:
@@ -208,9 +208,9 @@ def _launch(kernel, grid: tuple[int], args: tuple, constexprs: tuple, num_warps:
     key = tuple(key)
     compiled = _compiled.get(key)
     if compiled is None:
-        _compiled[key] = kernel[grid](*args, *constexprs, num_warps=num_warps)
+        _compiled[key] = kernel[(programs,)](*args, *constexprs, num_warps=num_warps)
     else:
-        compiled[grid](*args, *constexprs)
+        compiled[(programs, 1, 1)](*args, *constexprs)
 
 
 # Bytes of one (padded) row -> (rows per program, warps): the best or near-best of
@@ -270,10 +270,9 @@ def forward(
             *x_layout, *r_layout)
     flags = (summed is not None, store_rstd)
     if block_rows:
-        _launch(_forward_one_pass, (triton.cdiv(n_rows, block_rows),), args, (block_rows, block_d, *flags),
-                num_warps)
+        _launch(_forward_one_pass, triton.cdiv(n_rows, block_rows), args, (block_rows, block_d, *flags), num_warps)
     else:
-        _launch(_forward_looped, (n_rows,), args, (block_d, *flags), num_warps)
+        _launch(_forward_looped, n_rows, args, (block_d, *flags), num_warps)
     return y, summed, rstd
 
 
@@ -308,7 +307,7 @@ def backward(
     dy = dy.contiguous()
     args = (dy, x, weight.contiguous(), rstd.contiguous(), dy if d_sum is None else d_sum.contiguous(), dx,
             partial, n_rows, D, rows_per_program, *x_layout)
-    _launch(_backward, (programs,), args, (block_rows, block_d, d_sum is not None), num_warps)
+    _launch(_backward, programs, args, (block_rows, block_d, d_sum is not None), num_warps)
     # A fixed-order sum over a fixed number of partials: deterministic for a given shape.
     return dx, partial.sum(0).to(weight.dtype)
 
