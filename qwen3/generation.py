@@ -88,7 +88,7 @@ def generate(
     tokens = [input_ids]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     ids = input_ids
-    for step in range(max_new_tokens):
+    for _ in range(max_new_tokens):
         mask = key_valid[:, : cache.length + ids.shape[1]] if padded else None
         logits = model(ids, positions, cache=cache, attention_mask=mask, last_only=True)[:, -1]
         new = next_token(logits, seen, params, generator)

@@ -85,6 +85,12 @@ def wall_us_per_call(fn, calls: int = 300) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def copy_bandwidth() -> float:
+    """The roofline: GB/s of a device-to-device clone of 512 MiB of bf16, bytes read + written."""
+    src = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)
+    return 2 * src.numel() * src.element_size() / (tt.do_bench(src.clone, return_mode="median") * 1e-3) / 1e9
+
+
 def record(op, impl, dtype, rows, D, nbytes, us):
     gbps = nbytes / (us * 1e-6) / 1e9
     RESULTS.append(dict(op=op, impl=impl, dtype=dtype, rows=rows, D=D, us=round(us, 3), GBps=round(gbps, 1)))
@@ -158,10 +164,8 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    src = torch.randn(2**28, device="cuda", dtype=torch.bfloat16)
-    copy_gbps = 2 * src.numel() * 2 / (tt.do_bench(lambda: src.clone(), return_mode="median") * 1e-3) / 1e9
+    copy_gbps = copy_bandwidth()
     print(f"copy: {copy_gbps:.0f} GB/s")
-    del src
     fwd_lines = available(["triton", "cuda", "F.rms_norm", "hf_eager", "compiled_hf", "liger", "copy"])
     blog_D = [128, 256, 512, 1024, 2048, 2176, 4096, 8192]
     if "a" not in args.skip:

@@ -9,26 +9,17 @@ bare torch.empty and F.rms_norm for scale. The fwd+bwd step is profiled with tor
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rmsnorm import wall_us_per_call as per_call_us  # noqa: E402
+
 import ops  # noqa: E402
 from ops import rmsnorm_triton as tri  # noqa: E402
-
-
-def per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def main() -> None:

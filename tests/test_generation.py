@@ -77,7 +77,8 @@ def test_stops_per_row_at_eos_and_pads(models):
     free = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0)
     eos = int(free[0, ids.shape[1] + 2])  # row 0's third new token
     pad = ours.config.vocab_size - 1
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, eos_token_id=eos, pad_token_id=pad)
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, eos_token_id=eos,
+                        pad_token_id=pad)
     row0 = out[0, ids.shape[1]:].tolist()
     stop = row0.index(eos)
     assert stop <= 2 and all(t == pad for t in row0[stop + 1 :])
