@@ -162,12 +162,14 @@ def main() -> None:
     p.add_argument("--norm", default="auto", help="RMSNorm implementation (triton on CUDA by default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-train-files", type=int, default=None, help="train on the first N files only (quick runs)")
     args = p.parse_args()
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     stdlib, train_files, val_files = corpus_files()
+    train_files = train_files[: args.max_train_files]
     train_texts, val_texts = read(train_files), read(val_files)
     t0 = time.time()
     tok = train_tokenizer(train_texts, ARCH["vocab_size"])
