@@ -6,7 +6,7 @@ message that says why, never run wrongly.
 """
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import ops
@@ -35,7 +35,6 @@ class Qwen3Config:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     norm_impl: str = "auto"  # "auto" | "torch" | "triton" | "cuda": every RMSNorm in the model
-    extra: dict = field(default_factory=dict, repr=False, compare=False)  # fields read, not used
 
     def __post_init__(self) -> None:
         if self.norm_impl not in ops.IMPLS:
@@ -82,9 +81,8 @@ class Qwen3Config:
         raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
         raw.update(overrides)
 
-        known = {f.name for f in fields(cls)} - {"extra"}
-        return cls(**{k: v for k, v in raw.items() if k in known},
-                   extra={k: v for k, v in raw.items() if k not in known})
+        known = {f.name for f in fields(cls)}  # other config.json fields do not affect the model
+        return cls(**{k: v for k, v in raw.items() if k in known})
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> "Qwen3Config":
@@ -100,6 +98,4 @@ class Qwen3Config:
         return cls.from_dict(raw, **overrides)
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("extra")
-        return out
+        return asdict(self)

@@ -87,13 +87,14 @@ def generate(
     padded = not bool(key_valid[:, :T].all())
     tokens = [input_ids]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    rows = torch.arange(B, device=device)
     ids = input_ids
     for _ in range(max_new_tokens):
         mask = key_valid[:, : cache.length + ids.shape[1]] if padded else None
         logits = model(ids, positions, cache=cache, attention_mask=mask, last_only=True)[:, -1]
         new = next_token(logits, seen, params, generator)
         new = torch.where(finished, torch.full_like(new, pad), new)
-        seen[torch.arange(B, device=device), new] |= ~finished
+        seen[rows, new] |= ~finished
         tokens.append(new[:, None])
         if on_token is not None:
             on_token(new)
