@@ -132,7 +132,11 @@ def export(model, tok, out: Path, card: str) -> None:
 
 
 def plot(log: list[dict], baseline: float, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the plot is a convenience: the numbers are in log.jsonl either way
+        print(f"matplotlib is not installed (pip install -e '.[bench]'); {path.name} not drawn", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

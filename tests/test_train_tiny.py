@@ -1,5 +1,6 @@
 """scripts/train_tiny.py: a short run exports a loadable checkpoint, and a rerun resumes from it."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -26,7 +27,8 @@ def test_short_run_exports_and_resumes(tmp_path):
     out, run = tmp_path / "model", tmp_path / "run"
     first = train(out, run, steps=2)
     assert "resumed" not in first
-    assert (run / "resume.pt").exists() and (run / "loss.png").exists()
+    assert (run / "resume.pt").exists()
+    assert (run / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     second = train(out, run, steps=4)
     assert "resumed at step 2" in second
     summary = json.loads((run / "summary.json").read_text())
