@@ -206,6 +206,36 @@ def test_property_random_layouts(lead, D, pad, dtype, weight_dtype, eps, scale, 
     assert_rmsnorm_close(rms_norm(x, module.weight.detach(), eps, impl="triton"), reference(x, module))
 
 
+def test_cached_launches_reuse_only_matching_specializations():
+    """After the first call, launches skip Triton's dispatch and reuse a compiled kernel by a key of
+    our own. Each case below needs a different specialization of the same kernel (misaligned x or
+    weight, D not a multiple of 16, strided rows, another dtype, a residual); each runs twice, so
+    the second call takes the cached path, and every call must equal the HF module."""
+    D = 256
+    flat = randn(40 * D + 1, dtype=torch.bfloat16, seed=11)
+    module, module_fp16 = hf_norm(D, weight_dtype=torch.bfloat16), hf_norm(D, weight_dtype=torch.float16)
+    w = module.weight.detach()
+    w_misaligned = torch.cat([w[:1], w])[1:]
+    cases = [
+        ("aligned", flat[: 40 * D].view(40, D), w, module),
+        ("misaligned x", flat[1:].view(40, D), w, module),
+        ("misaligned weight", flat[: 40 * D].view(40, D), w_misaligned, module),
+        ("fewer rows", flat[: 3 * D].view(3, D), w, module),
+        ("strided rows", flat[: 40 * D].view(20, 2 * D)[:, :D], w, module),
+        ("fp16", flat[: 40 * D].view(40, D).half(), module_fp16.weight.detach(), module_fp16),
+    ]
+    for _name, x, weight, hf in cases + cases:  # (pytest -l shows which case failed)
+        assert_rmsnorm_close(rms_norm(x, weight, impl="triton"), reference(x, hf))
+    narrow = hf_norm(250, weight_dtype=torch.bfloat16)
+    for x in [flat[: 40 * 250].view(40, 250)] * 2:  # D=250: not a multiple of 16
+        assert_rmsnorm_close(rms_norm(x, narrow.weight.detach(), impl="triton"), reference(x, narrow))
+    residual = flat[1:].view(40, D)
+    for x in [flat[: 40 * D].view(40, D)] * 2:
+        y, summed = fused_add_rms_norm(x, residual, w, impl="triton")
+        assert torch.equal(summed, residual + x)
+        assert_rmsnorm_close(y, reference(residual + x, module))
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
