@@ -7,15 +7,20 @@ by one unit in the last place, for a small fraction of elements.
 """
 
 import torch
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-# fp32 output: reduction order and rsqrt differ in the last bits; a few ulps of the output.
-RMSNORM_FP32_MAX_ULPS = 4
-# fp16 / bf16: the normalized value (unit weight) is at most one ulp from HF's, and almost every
-# element is bit-identical. With a weight, y = round(w * n): a one-ulp step of n moves w * n by
-# |w| ulp(n) <= 2 ulp(y), and both sides are rounded once more, so at most 3 ulps of y.
+# fp32 output: another reduction order and rsqrt's last bit move rstd by an ulp or two (relative),
+# each multiply adds half an ulp, and an ulp at the bottom of a binade is twice as large relative
+# to the value: a few ulps. Seen: at most 5 over 300 random shapes (D < 3000, three weight dtypes).
+RMSNORM_FP32_MAX_ULPS = 8
+# 16-bit input: HF rounds the fp32 normalized value n to the input dtype, then multiplies by the
+# weight and rounds once more. Our n is HF's within the fp32 bound above, so our result may differ
+# only where HF's n lies that close (relatively) to a 16-bit rounding boundary, by one step of n;
+# everywhere else it is bit-identical. One step of n moves the output (rounded once more) by at
+# most 1 ulp with a unit weight and 3 ulps with another (|w| ulp(n) <= 2 ulp(w n), plus rounding).
 RMSNORM_16BIT_NORMALIZED_MAX_ULPS = 1
 RMSNORM_16BIT_WEIGHTED_MAX_ULPS = 3
-RMSNORM_16BIT_MIN_IDENTICAL = 0.999
+
 
 # Whole-model fp32 logits against transformers (eager attention): the issue's bound. Matmuls in
 # a different association order (fused vs split projections) differ at ~1e-6 relative per layer.
@@ -45,21 +50,44 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(both_nan, 0, (ordered(a) - ordered(b)).abs())
 
 
-def assert_rmsnorm_close(actual: torch.Tensor, expected: torch.Tensor, unit_weight: bool = False) -> None:
-    """Our RMSNorm output against Hugging Face's, by the rules above."""
+def _near_rounding_boundary(n: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where the fp32 values n lie within RMSNORM_FP32_MAX_ULPS (relative) of a point at which
+    rounding to dtype changes: the midpoint between two neighbouring dtype values."""
+    r = n.to(dtype)
+    n64, r64 = n.double(), r.double()
+    inf = torch.full_like(r, float("inf"))
+    up, down = torch.nextafter(r, inf).double(), torch.nextafter(r, -inf).double()
+    distance = torch.minimum((n64 - (r64 + up) / 2).abs(), (n64 - (r64 + down) / 2).abs())
+    return distance <= RMSNORM_FP32_MAX_ULPS * torch.finfo(torch.float32).eps * n64.abs()
+
+
+@torch.no_grad()
+def assert_matches_hf(actual: torch.Tensor, x: torch.Tensor, module: Qwen3RMSNorm) -> None:
+    """Our RMSNorm of x against the HF module's output, by the rules above. HF's fp32 normalized
+    value comes from the HF module too: an fp32 one with unit weight, applied to x in fp32 (HF
+    upcasts x to fp32 before anything else)."""
+    expected = module(x)
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert torch.equal(torch.isnan(actual), torch.isnan(expected)), "NaN positions differ"
-    ulps = ulp_distance(actual.cpu(), expected.cpu()).flatten()
+    ulps = ulp_distance(actual.cpu(), expected.cpu())
     if ulps.numel() == 0:
         return
-    if actual.dtype == torch.float32:
+    if x.dtype == torch.float32:
         assert ulps.max().item() <= RMSNORM_FP32_MAX_ULPS, f"max {ulps.max().item()} fp32 ulps"
+        return
+    unit = Qwen3RMSNorm(x.shape[-1], eps=module.variance_epsilon).to(x.device)
+    near = _near_rounding_boundary(unit(x.float()).cpu(), x.dtype)
+    stray = (ulps > 0) & ~near
+    assert not stray.any(), f"{int(stray.sum())} of {ulps.numel()} elements differ away from a rounding boundary"
+    if actual.dtype == torch.float32:  # y = w * n in fp32: one 16-bit step of n, 2 with |w| < 2
+        bound = 2 * torch.finfo(x.dtype).eps / torch.finfo(torch.float32).eps + 1
+    elif bool((module.weight == 1).all()):
+        bound = RMSNORM_16BIT_NORMALIZED_MAX_ULPS
     else:
-        bound = RMSNORM_16BIT_NORMALIZED_MAX_ULPS if unit_weight else RMSNORM_16BIT_WEIGHTED_MAX_ULPS
-        assert ulps.max().item() <= bound, f"max {ulps.max().item()} ulps"
-        identical = (ulps == 0).double().mean().item()
-        assert identical >= RMSNORM_16BIT_MIN_IDENTICAL, f"only {identical:.5f} bit-identical"
+        bound = RMSNORM_16BIT_WEIGHTED_MAX_ULPS
+    assert ulps.max().item() <= bound, f"max {ulps.max().item()} ulps, at a rounding boundary"
+
 
 # fp32 RMSNorm gradients against HF's autograd: both compute in fp32 with different association
 # (fused formula vs the chain rule op by op); relative differences stay near 1e-6.
