@@ -16,6 +16,7 @@ import torch
 CUDA_SOURCE = r"""
 #include <torch/extension.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -169,10 +170,8 @@ void launch(const at::Tensor& x, const std::optional<at::Tensor>& residual, cons
 
 // x, residual: [rows, D] with unit column stride; y (and sum_out): contiguous [rows, D].
 // y's dtype is torch's promotion of x's and the weight's: x's when they match, else fp32.
-void rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                      at::Tensor y, std::optional<at::Tensor> sum_out, double eps) {
-  if (x.size(0) == 0) return;
-  const float e = static_cast<float>(eps);
+void dispatch(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+              at::Tensor y, std::optional<at::Tensor> sum_out, float e) {
   const auto xt = x.scalar_type(), wt = weight.scalar_type();
   #define SAME(X, T) if (xt == X && wt == X) { launch<T, T, T>(x, residual, weight, y, sum_out, e); return; }
   #define MIXED(X, WT, T, W) if (xt == X && wt == WT) { launch<T, W, float>(x, residual, weight, y, sum_out, e); return; }
@@ -189,11 +188,36 @@ void rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& resi
   #undef MIXED
   TORCH_CHECK(false, "unsupported dtypes for the CUDA RMSNorm");
 }
+
+// t (..., D) as [rows, D] with unit column stride: a view where the layout allows, else a copy.
+at::Tensor as_rows(const at::Tensor& t) {
+  return (t.stride(-1) == 1 ? t : t.contiguous()).reshape({-1, t.size(-1)});
+}
+
+// Returns {y} or, with a residual, {y, x + residual}; inputs validated by ops (same dtype for the
+// residual). Allocation and reshapes happen here, not in Python: this is the per-call host path.
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                         const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t D = x.size(-1);
+  at::Tensor y = at::empty(x.sizes(), x.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
+  std::optional<at::Tensor> sum_out, rows_residual;
+  if (residual) {
+    sum_out = at::empty(x.sizes(), x.options());
+    rows_residual = as_rows(*residual);
+  }
+  if (x.numel() > 0) {
+    dispatch(as_rows(x), rows_residual, weight.contiguous(), y.view({-1, D}),
+             sum_out ? std::optional<at::Tensor>(sum_out->view({-1, D})) : std::nullopt, static_cast<float>(eps));
+  }
+  if (sum_out) return {y, *sum_out};
+  return {y};
+}
 """
 
 CPP_SOURCE = """
-void rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
-                      at::Tensor y, std::optional<at::Tensor> sum_out, double eps);
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                         const at::Tensor& weight, double eps);
 """
 
 
@@ -216,21 +240,8 @@ def _extension():
     )
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as [rows, D] with unit column stride, a view where the layout allows."""
-    D = x.shape[-1]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, D)
-    except RuntimeError:
-        return x.reshape(-1, D)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _extension().rms_norm_forward(_rows(x), None, weight.contiguous(), y.view(-1, x.shape[-1]), None, float(eps))
-    return y
+    return _extension().rms_norm_forward(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
@@ -238,9 +249,5 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if residual.dtype != x.dtype:
         raise TypeError(f"impl='cuda' fused add needs residual in x's dtype {x.dtype}, got {residual.dtype}")
-    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    D = x.shape[-1]
-    _extension().rms_norm_forward(_rows(x), _rows(residual), weight.contiguous(), y.view(-1, D),
-                                  summed.view(-1, D), float(eps))
+    y, summed = _extension().rms_norm_forward(x, residual, weight, eps)
     return y, summed

@@ -18,12 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4: every launch takes Triton's own path
+    knobs = None
+
 # One pass holds the whole row in registers up to this width; wider rows take the looped kernel.
 MAX_ONE_PASS_D = 16384
 # The backward keeps x, dy, w and the dweight accumulator of a row in registers.
 MAX_BACKWARD_D = 8192
 LOOPED_BLOCK_D = 4096
+SUM_BLOCK_ROWS, SUM_BLOCK_D = 32, 64  # tile of the dweight reduction over the backward's partials
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds of torch
+_data_ptr = torch.Tensor.data_ptr
 
 
 @triton.jit
@@ -44,19 +52,27 @@ def _forward_one_pass(
     x_inner, x_stride_outer, x_stride_inner,
     r_inner, r_stride_outer, r_stride_inner,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
+    """BLOCK_ROWS rows per program, each held whole in registers. CONTIGUOUS: x and the residual
+    are plain (rows, D) tensors, addressed without the 64-bit divisions of the general layout."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
     col_ok = cols < D
     mask = row_ok[:, None] & col_ok[None, :]
-    x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
-    x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     out_rows = rows[:, None] * D + cols[None, :]
+    if CONTIGUOUS:
+        x = tl.load(X + out_rows, mask=mask, other=0.0)
+    else:
+        x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
+        x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r_rows = (rows // r_inner) * r_stride_outer + (rows % r_inner) * r_stride_inner
-        res = tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        if CONTIGUOUS:
+            res = tl.load(R + out_rows, mask=mask, other=0.0)
+        else:
+            r_rows = (rows // r_inner) * r_stride_outer + (rows % r_inner) * r_stride_inner
+            res = tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0)
         # The sum is rounded to x's dtype, as `residual + hidden_states` is in the HF decoder.
         x = _round(x.to(tl.float32) + res.to(tl.float32), S.dtype.element_ty)
         tl.store(S + out_rows, x, mask=mask)
@@ -114,7 +130,7 @@ def _backward(
     DY, X, W, RSTD, DS, DX, DW_PARTIAL,
     n_rows, D, rows_per_program,
     x_inner, x_stride_outer, x_stride_inner,
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
     """dx and per-program fp32 partial sums of dweight for a contiguous range of rows.
 
@@ -134,9 +150,12 @@ def _backward(
         rows = start + tl.arange(0, BLOCK_ROWS)
         row_ok = rows < last
         mask = row_ok[:, None] & col_ok[None, :]
-        x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
-        x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         out_rows = rows[:, None] * D + cols[None, :]
+        if CONTIGUOUS:
+            x = tl.load(X + out_rows, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x_rows = (rows // x_inner) * x_stride_outer + (rows % x_inner) * x_stride_inner
+            x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + out_rows, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         normalized = x * rstd[:, None]
@@ -148,6 +167,20 @@ def _backward(
             dx += tl.load(DS + out_rows, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + out_rows, _round(dx, DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * D + cols, dw, mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["n_partials"])
+def _sum_partials(PARTIAL, DW, n_partials, D, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dweight: the (n_partials, D) fp32 partial sums of _backward added in a fixed order (so the
+    result is deterministic for a given shape) and rounded once to the weight's dtype."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_D], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_ROWS):
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < n_partials)[:, None] & col_ok[None, :]
+        acc += tl.load(PARTIAL + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    tl.store(DW + cols, _round(tl.sum(acc, axis=0), DW.dtype.element_ty), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- launch logic
@@ -173,44 +206,65 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
-def _readable_rows(x: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """x itself with its row layout, or a contiguous copy when the layout can't be addressed
-    in place (a strided last dim, or leading dims needing more than two strides)."""
-    D = x.shape[-1]
+def _readable_rows(x: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """x itself with its row layout (None: contiguous, rows of D), or a contiguous copy when the
+    layout can't be addressed in place (a strided last dim, or leading dims needing more than two
+    strides)."""
     if x.is_contiguous():  # the common case, without looking at strides
-        return x, (n_rows, 0, D)
-    layout = row_layout(x) if x.stride(-1) == 1 or D == 1 else None
+        return x, None
+    layout = row_layout(x) if x.stride(-1) == 1 or x.shape[-1] == 1 else None
     if layout is None:
-        return x.contiguous(), (n_rows, 0, D)
+        return x.contiguous(), None
     return x, layout
 
 
+def _int_class(v: int) -> tuple[bool, bool, bool]:
+    """How Triton specializes an int argument: equal to 1, divisible by 16, beyond 32 bits."""
+    return v == 1, v % 16 == 0, not -(2**31) <= v < 2**31
+
+
+def _layout_key(layout: tuple[int, int, int] | None) -> tuple | None:
+    """The specialization-relevant part of a row layout (inner is not specialized, only sized);
+    None for contiguous rows, whose layout follows from n_rows and D."""
+    if layout is None:
+        return None
+    inner, stride_outer, stride_inner = layout
+    return inner >= 2**31, _int_class(stride_outer), _int_class(stride_inner)
+
+
+def _hooks_active() -> bool:
+    """Whether a profiler (proton) registered a Triton launch hook; launches then take Triton's
+    own path, which reports them. Triton 3.6 keeps hooks in a HookChain, earlier ones a callable."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+# Specialization key -> compiled kernel. The key is built by the caller from what
+# Triton specializes on: each tensor's dtype and 16-byte alignment and each int's class
+# (_int_class); the device is in it too, as a compiled function belongs to one device.
 _compiled: dict[tuple, object] = {}
 
 
-def _launch(kernel, programs: int, args: tuple, constexprs: tuple, num_warps: int) -> None:
-    """kernel[(programs,)](*args, *constexprs), with Triton's per-call argument binding and cache lookup
-    (tens of microseconds of host time) done only the first time a specialization is seen.
-
-    Triton specializes a compiled kernel on each tensor's dtype and 16-byte alignment and each
-    int's value class (1, a multiple of 16, 32- or 64-bit); the key below holds exactly those, so
-    a hit launches the very kernel Triton would pick. CompiledKernel[grid](*all args) is how
-    JITFunction.run itself launches (Triton 3.6 through 3.9); it takes a 3-D grid."""
+def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, constexprs: tuple,
+            num_warps: int) -> None:
+    """kernel[(programs,)](*tensors, *scalars, *constexprs), with Triton's per-call argument
+    binding, cache lookup and hook bookkeeping (tens of microseconds of host time) done only the
+    first time a specialization is seen. Later launches call the compiled kernel's C launcher
+    directly with raw pointers (ops validated the tensors; Triton would re-check each pointer
+    with the driver), on the current stream of the tensors' device. Triton 3.4 through 3.9 share
+    that launcher's signature: grid, stream, function, metadata, launch metadata, two hooks, args."""
     if INTERPRETED:
-        kernel[(programs,)](*args, *constexprs, num_warps=num_warps)
+        kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
         return
-    key = [kernel, constexprs, num_warps]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif type(a) is int:
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-    key = tuple(key)
+    device = tensors[0].get_device()
+    key = (kernel, device, num_warps, constexprs, *key)
     compiled = _compiled.get(key)
-    if compiled is None:
-        _compiled[key] = kernel[(programs,)](*args, *constexprs, num_warps=num_warps)
-    else:
-        compiled[(programs, 1, 1)](*args, *constexprs)
+    if compiled is None or knobs is None or _hooks_active():
+        with torch.cuda.device(device):
+            _compiled[key] = kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
+        return
+    compiled.run(programs, 1, 1, _current_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                 None, *map(_data_ptr, tensors), *scalars, *constexprs)
 
 
 # Bytes of one (padded) row -> (rows per program, warps): the best or near-best of
@@ -243,6 +297,11 @@ def backward_config(D: int, sm_count: int) -> tuple[int, int, int, int]:
     return block_d, block_rows, num_warps, sm_count * (4 if block_d <= 1024 else 2)
 
 
+def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous uninitialized tensor of x's shape (empty_like is the cheapest allocator call)."""
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def forward(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -254,25 +313,36 @@ def forward(
     by ops.rms_norm. The sum has torch's dtype for `x + residual`, y the promotion of the
     normalized input's dtype with the weight's, rstd is fp32 per row."""
     D = x.shape[-1]
-    in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = torch.empty(x.shape, dtype=torch.promote_types(in_dtype, weight.dtype), device=x.device)
-    summed = None if residual is None else torch.empty(x.shape, dtype=in_dtype, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
     n_rows = x.numel() // D
+    if residual is None:
+        summed = None
+        in_dtype = x.dtype
+    else:
+        in_dtype = torch.promote_types(x.dtype, residual.dtype)
+        summed = _empty(x, in_dtype)
+    y = _empty(x, in_dtype if weight.dtype == in_dtype else torch.promote_types(in_dtype, weight.dtype))
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
     if n_rows == 0:
         return y, summed, rstd
     x, x_layout = _readable_rows(x, n_rows)
     residual, r_layout = (x, x_layout) if residual is None else _readable_rows(residual, n_rows)
+    weight = weight.contiguous()
     block_d, block_rows, num_warps = forward_config(D, x.element_size())
     # Without a residual, S is x: its dtype is the one the normalized row is rounded to.
-    args = (x, residual, weight.contiguous(), y,
-            x if summed is None else summed, y if rstd is None else rstd, n_rows, D, float(eps),
-            *x_layout, *r_layout)
+    s = x if summed is None else summed
+    tensors = (x, residual, weight, y, s, y if rstd is None else rstd)
+    x_default = (n_rows, 0, D)
+    scalars = (n_rows, D, eps, *(x_layout or x_default), *(r_layout or x_default))
+    key = (x.dtype, residual.dtype, weight.dtype, y.dtype, s.dtype, store_rstd,
+           x.data_ptr() % 16, residual.data_ptr() % 16, weight.data_ptr() % 16,
+           _int_class(D), n_rows >= 2**31, _layout_key(x_layout), _layout_key(r_layout))
     flags = (summed is not None, store_rstd)
     if block_rows:
-        _launch(_forward_one_pass, triton.cdiv(n_rows, block_rows), args, (block_rows, block_d, *flags), num_warps)
+        contiguous = x_layout is None and r_layout is None
+        _launch(_forward_one_pass, key, triton.cdiv(n_rows, block_rows), tensors, scalars,
+                (block_rows, block_d, *flags, contiguous), num_warps)
     else:
-        _launch(_forward_looped, n_rows, args, (block_d, *flags), num_warps)
+        _launch(_forward_looped, key, n_rows, tensors, scalars, (block_d, *flags), num_warps)
     return y, summed, rstd
 
 
@@ -294,7 +364,7 @@ def backward(
     D = x.shape[-1]
     if D > MAX_BACKWARD_D:
         raise ValueError(f"the triton RMSNorm backward supports D <= {MAX_BACKWARD_D}, got D={D}")
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx = _empty(x, x.dtype)
     n_rows = x.numel() // D
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
@@ -304,12 +374,20 @@ def backward(
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), block_rows) * block_rows
     programs = triton.cdiv(n_rows, rows_per_program)
     partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
-    dy = dy.contiguous()
-    args = (dy, x, weight.contiguous(), rstd.contiguous(), dy if d_sum is None else d_sum.contiguous(), dx,
-            partial, n_rows, D, rows_per_program, *x_layout)
-    _launch(_backward, programs, args, (block_rows, block_d, d_sum is not None), num_warps)
-    # A fixed-order sum over a fixed number of partials: deterministic for a given shape.
-    return dx, partial.sum(0).to(weight.dtype)
+    has_ds = d_sum is not None
+    dy, weight, rstd = dy.contiguous(), weight.contiguous(), rstd.contiguous()
+    d_sum = d_sum.contiguous() if has_ds else dy
+    tensors = (dy, x, weight, rstd, d_sum, dx, partial)
+    scalars = (n_rows, D, rows_per_program, *(x_layout or (n_rows, 0, D)))
+    key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, *(t.data_ptr() % 16 for t in tensors[:5]),
+           _int_class(D), n_rows >= 2**31, _layout_key(x_layout))
+    _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
+            num_warps)
+    # dweight: the partials summed in a fixed order (deterministic for a given shape) and cast in one launch.
+    dw = torch.empty_like(weight)
+    _launch(_sum_partials, (weight.dtype, _int_class(D)), triton.cdiv(D, SUM_BLOCK_D), (partial, dw), (programs, D),
+            (SUM_BLOCK_ROWS, SUM_BLOCK_D), 4)
+    return dx, dw
 
 
 # -------------------------------------------------------------------------- autograd and ops

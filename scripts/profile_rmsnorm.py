@@ -1,13 +1,17 @@
-"""Where the time of one Triton RMSNorm call goes, on a GPU: host microseconds per piece, and the
-kernels of a forward + backward step.
+"""Where the time of a Triton RMSNorm call goes, on a GPU: host microseconds per piece, a Python
+profile of the forward, and a timeline of forward + backward steps.
 
-    python scripts/profile_rmsnorm.py
+    python scripts/profile_rmsnorm.py [--trace out/fwd-bwd-trace.json]
 
-Host pieces are timed with the GPU kept busy-free (small shape, synchronize at the end), each as
-wall-clock per call over many calls: the public op, the launcher alone, Triton's own launch, a
-bare torch.empty and F.rms_norm for scale. The fwd+bwd step is profiled with torch.profiler.
+Host pieces are timed on a small shape (512 x 1024 bf16, GPU work ~2 us) as wall-clock per call
+over many calls: the public op, its validation, the launcher alone, Triton's own launch, a bare
+torch.empty_like and F.rms_norm for scale; then forward + backward steps, ours against
+F.rms_norm's, and their parts. The large fwd+bwd step is profiled with torch.profiler.
 """
 
+import argparse
+import cProfile
+import pstats
 import sys
 from pathlib import Path
 
@@ -22,51 +26,88 @@ import ops  # noqa: E402
 from ops import rmsnorm_triton as tri  # noqa: E402
 
 
-def main() -> None:
+def grad_step(norm, x, w, dy):
+    def step():
+        x.grad = w.grad = None
+        norm(x, w).backward(dy)
+
+    return step
+
+
+def host_pieces() -> None:
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
     y = torch.empty_like(x)
     block_d, block_rows, warps = tri.forward_config(1024, 2)
-    args = (x, x, w, y, x, y, 512, 1024, 1e-6, 512, 0, 1024, 512, 0, 1024)
-    consts = (block_rows, block_d, False, False)
-    programs = 512 // block_rows
-    tri._launch(tri._forward_one_pass, programs, args, consts, warps)
-    compiled = next(v for k, v in tri._compiled.items() if k[0] is tri._forward_one_pass)
+    tensors, scalars = (x, x, w, y, x, y), (512, 1024, 1e-6, 512, 0, 1024, 512, 0, 1024)
+    consts, programs = (block_rows, block_d, False, False, True), 512 // block_rows
+    key = ("profile",)
+    tri._launch(tri._forward_one_pass, key, programs, tensors, scalars, consts, warps)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+    rstd = tri.forward(x, w, 1e-6, store_rstd=True)[2]
     rows = [
         ("ops.rms_norm(impl='triton')", lambda: ops.rms_norm(x, w, 1e-6, impl="triton")),
-        ("rmsnorm_triton.forward", lambda: tri.forward(x, w, 1e-6)),
-        ("_launch (cached key + CompiledKernel)", lambda: tri._launch(tri._forward_one_pass, programs, args, consts,
-                                                                     warps)),
-        ("CompiledKernel[grid](*args) alone", lambda: compiled[(programs, 1, 1)](*args, *consts)),
-        ("JITFunction kernel[grid](...)", lambda: tri._forward_one_pass[(programs,)](*args, *consts,
-                                                                                    num_warps=warps)),
+        ("  ops._check", lambda: ops._check(x, w, 1e-6, "triton")),
+        ("  rmsnorm_triton.forward", lambda: tri.forward(x, w, 1e-6)),
+        ("  _launch, cached (direct C launcher)", lambda: tri._launch(tri._forward_one_pass, key, programs, tensors,
+                                                                      scalars, consts, warps)),
+        ("  Triton's kernel[grid](...)", lambda: tri._forward_one_pass[(programs,)](*tensors, *scalars, *consts,
+                                                                                   num_warps=warps)),
+        ("  torch.empty_like", lambda: torch.empty_like(x)),
         ("ops.rms_norm(impl='cuda')", lambda: ops.rms_norm(x, w, 1e-6, impl="cuda")),
-        ("torch.empty_like", lambda: torch.empty_like(x)),
         ("F.rms_norm", lambda: F.rms_norm(x, (1024,), w, 1e-6)),
+        ("ops.fused_add_rms_norm(impl='triton')", lambda: ops.fused_add_rms_norm(x, r, w, 1e-6, impl="triton")),
+        ("x + r, then F.rms_norm", lambda: F.rms_norm(x + r, (1024,), w, 1e-6)),
+        ("fwd+bwd step, ours", grad_step(lambda a, b: ops.rms_norm(a, b, 1e-6, impl="triton"), xg, wg, dy)),
+        ("  forward with grad (autograd.Function)", lambda: ops.rms_norm(xg, wg, 1e-6, impl="triton")),
+        ("  rmsnorm_triton.backward alone", lambda: tri.backward(dy, x, w, rstd)),
+        ("fwd+bwd step, F.rms_norm", grad_step(lambda a, b: F.rms_norm(a, (1024,), b, 1e-6), xg, wg, dy)),
+        ("  forward with grad", lambda: F.rms_norm(xg, (1024,), wg, 1e-6)),
     ]
     print("host us per call, 512 x 1024 bf16")
     for name, fn in rows:
-        print(f"  {per_call_us(fn):7.1f}  {name}")
+        print(f"  {per_call_us(fn, 2000):7.1f}  {name}")
 
-    xb = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    wb = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn_like(xb)
-
-    def step():
-        xb.grad = wb.grad = None
-        ops.rms_norm(xb, wb, 1e-6, impl="triton").backward(dy)
-
-    for _ in range(5):
-        step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(3000):
+        ops.rms_norm(x, w, 1e-6, impl="triton")
+    profile.disable()
     torch.cuda.synchronize()
+    print("cProfile of 3000 ops.rms_norm calls (tottime: time inside the function itself)")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
+def fwd_bwd_timeline(trace: Path | None) -> None:
+    x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    ours = grad_step(lambda a, b: ops.rms_norm(a, b, 1e-6, impl="triton"), x, w, dy)
+    theirs = grad_step(lambda a, b: F.rms_norm(a, (4096,), b, 1e-6), x, w, dy)
+    for _ in range(5):
+        ours()
+        theirs()
+    torch.cuda.synchronize()
+    print(f"fwd+bwd 16384 x 4096 bf16, wall per step: ours {per_call_us(ours, 50):.0f} us, "
+          f"F.rms_norm {per_call_us(theirs, 50):.0f} us")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
+        for _ in range(5):
+            ours()
         torch.cuda.synchronize()
-    print("fwd+bwd 16384 x 4096 bf16, 10 steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
-    print(f"wall per step: {per_call_us(step, 50):.0f} us")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+    if trace:
+        prof.export_chrome_trace(str(trace))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", type=Path, help="write the fwd+bwd timeline here (chrome://tracing JSON)")
+    args = p.parse_args()
+    host_pieces()
+    fwd_bwd_timeline(args.trace)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Its output is what the heuristics in ops/rmsnorm_triton.py (forward_config, backward_config)
 are read from; docs/benchmarks/rmsnorm-notes.md records the runs. Prints a table, writes JSON.
+Kernels are timed inside a CUDA graph (do_bench_cudagraph), so the numbers are GPU time alone,
+free of the host's launch cost.
 
-    python scripts/sweep_rmsnorm.py --out sweep.json
+    python scripts/sweep_rmsnorm.py --out sweep.json [--quick]
 """
 
 import argparse
@@ -13,13 +15,14 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ops import rmsnorm_triton as tri  # noqa: E402
 
 FORWARD_SHAPES = [(16384, 1024), (16384, 2048), (16384, 4096), (16384, 8192), (131072, 128),
                   (512, 128), (512, 1024), (512, 4096), (512, 8192)]
+QUICK_SHAPES = [(16384, 1024), (16384, 2048), (131072, 128)]
 BACKWARD_SHAPES = [(16384, 4096), (4096, 4096), (16384, 8192), (131072, 128)]
 
 
@@ -35,21 +38,21 @@ def sweep_forward(dtype, rows, D, residual: bool):
     nbytes = x.numel() * x.element_size() * (4 if residual else 2)
     block_d = triton.next_power_of_2(D)
     results = []
-    for block_rows in (1, 2, 4, 8, 16, 32, 64):
+    for block_rows in (1, 2, 4, 8, 16, 32, 64, 128):
         tile = block_rows * block_d  # elements per program: keep it in 1K..16K (or a single row)
         if block_rows > rows or tile > 16384 or (tile < 1024 and block_rows > 1 and block_rows < 64):
             continue
-        for warps in (2, 4, 8, 16):
+        for warps in (1, 2, 4, 8, 16):
             if warps * 32 * 4 > tile:  # fewer than 4 elements per thread
                 continue
             grid = (triton.cdiv(rows, block_rows),)
 
             def launch():
-                tri._forward_one_pass[grid](x, r, w, y, s, y, rows, D, 1e-6, rows, 0, D, rows, 0, D,
-                                            BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_RESIDUAL=residual,
-                                            STORE_RSTD=False, num_warps=warps)
+                tri._launch(tri._forward_one_pass, ("sweep", dtype), grid[0], (x, r, w, y, s, y),
+                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, True),
+                            warps)
 
-            ms = do_bench(launch, warmup=5, rep=20, return_mode="median")
+            ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
             results.append(dict(block_rows=block_rows, warps=warps, us=ms * 1e3, GBps=gbps(nbytes, ms)))
     return sorted(results, key=lambda r: -r["GBps"])
 
@@ -58,7 +61,7 @@ def sweep_backward(dtype, rows, D):
     x = torch.randn(rows, D, device="cuda", dtype=dtype)
     w = torch.randn(D, device="cuda", dtype=dtype)
     dy = torch.randn_like(x)
-    dx = torch.empty_like(x)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
     rstd = torch.rand(rows, device="cuda")
     block_d = triton.next_power_of_2(D)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -75,12 +78,12 @@ def sweep_backward(dtype, rows, D):
                 partial = torch.empty(programs, D, device="cuda")
 
                 def launch():
-                    tri._backward[(programs,)](dy, x, w, rstd, dy, dx, partial, rows, D, rpp, rows, 0, D,
-                                               BLOCK_ROWS=block_rows, BLOCK_D=block_d, HAS_DS=False,
-                                               num_warps=warps)
-                    partial.sum(0)
+                    tri._launch(tri._backward, ("sweep",), programs, (dy, x, w, rstd, dy, dx, partial),
+                                (rows, D, rpp, rows, 0, D), (block_rows, block_d, False, True), warps)
+                    tri._launch(tri._sum_partials, ("sweep",), triton.cdiv(D, tri.SUM_BLOCK_D), (partial, dw),
+                                (programs, D), (tri.SUM_BLOCK_ROWS, tri.SUM_BLOCK_D), 4)
 
-                ms = do_bench(launch, warmup=5, rep=20, return_mode="median")
+                ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
                 results.append(dict(block_rows=block_rows, warps=warps, per_sm=per_sm, us=ms * 1e3,
                                     GBps=gbps(nbytes, ms)))
     return sorted(results, key=lambda r: -r["GBps"])
@@ -89,15 +92,17 @@ def sweep_backward(dtype, rows, D):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--quick", action="store_true", help="bf16 only, the shapes where configs still matter")
     args = p.parse_args()
+    forward_shapes = QUICK_SHAPES if args.quick else FORWARD_SHAPES
     src = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     copy = gbps(2 * src.numel() * 2, do_bench(lambda: dst.copy_(src), return_mode="median"))
     out = {"copy_GBps": copy, "forward": [], "backward": []}
     print(f"copy {copy:.0f} GB/s")
     for residual in (False, True):
-        for dtype in (torch.bfloat16, torch.float32):
-            for rows, D in FORWARD_SHAPES:
+        for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32):
+            for rows, D in forward_shapes:
                 if dtype == torch.float32 and (rows == 512 or residual or D < 4096):
                     continue
                 res = sweep_forward(dtype, rows, D, residual)
@@ -105,7 +110,7 @@ def main() -> None:
                 out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, top=res[:5]))
                 print(f"fwd{'+add' if residual else ''} {str(dtype)[6:]:9} {rows}x{D}: best rows={best['block_rows']}"
                       f" warps={best['warps']} {best['GBps']:.0f} GB/s {best['us']:.1f} us")
-    for rows, D in BACKWARD_SHAPES:
+    for rows, D in BACKWARD_SHAPES[::3] if args.quick else BACKWARD_SHAPES:
         res = sweep_backward(torch.bfloat16, rows, D)
         best = res[0]
         out["backward"].append(dict(dtype="bfloat16", rows=rows, D=D, top=res[:5]))
