@@ -3,7 +3,7 @@ through transformers' Qwen3RMSNorm."""
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, requires_cuda
 from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -185,3 +185,59 @@ def test_compile_sees_one_node_without_graph_break():
     assert explanation.graph_count == 1
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x, x.flip(0), w), block(x, x.flip(0), w), rtol=0, atol=0)
+
+
+def _warm_up_on_a_side_stream(fn, times: int = 2) -> None:
+    """Compile and cache every kernel outside the capture, as CUDA graph capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@requires_cuda
+def test_cuda_graph_replays_forward_on_new_inputs():
+    x, w, _ = make_case(48, 256, torch.bfloat16)
+    residual = torch.randn_like(x)
+    static_x = x.clone()
+    _warm_up_on_a_side_stream(lambda: fused_add_rms_norm(static_x, residual, w, impl="triton"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y, static_s = fused_add_rms_norm(static_x, residual, w, impl="triton")
+    for seed in (1, 2):
+        static_x.copy_(make_case(48, 256, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        y, s = fused_add_rms_norm(static_x, residual, w, impl="triton")
+        assert torch.equal(static_y, y) and torch.equal(static_s, s)
+
+
+@requires_cuda
+def test_cuda_graph_replays_forward_and_backward_on_new_inputs():
+    """A whole training step (fused add, norm, backward) captured once, replayed on new data:
+    the static gradients equal an eager step's on the same data."""
+    x, w, dy = make_case(48, 256, torch.bfloat16)
+    dy, residual = dy.to(torch.bfloat16), torch.randn_like(x)
+    static_x, static_w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+
+    def step(a, b):
+        y, s = fused_add_rms_norm(a, residual, b, impl="triton")
+        (rms_norm(y, b, impl="triton") + s).backward(dy)
+
+    def fresh_step():
+        static_x.grad = static_w.grad = None
+        step(static_x, static_w)
+
+    _warm_up_on_a_side_stream(fresh_step)
+    static_x.grad = static_w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(static_x, static_w)
+    for seed in (1, 2):
+        with torch.no_grad():
+            static_x.copy_(make_case(48, 256, torch.bfloat16, seed=seed)[0])
+        graph.replay()
+        eager_x, eager_w = (t.detach().clone().requires_grad_(True) for t in (static_x, static_w))
+        step(eager_x, eager_w)
+        assert torch.equal(static_x.grad, eager_x.grad) and torch.equal(static_w.grad, eager_w.grad)
