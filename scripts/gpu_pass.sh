@@ -6,6 +6,7 @@
 # tests: the op and model tests with compiled kernels; profile: host time per piece and a fwd+bwd
 # timeline; sweep: launch configs where they still matter; bench: the full RMSNorm benchmark.
 # Everything lands in OUT as at most seven files (the benchmark's JSON and plots as one tarball).
+# Each stage has a time limit, so that one that hangs still leaves the others' results.
 set -u
 out=${1:?usage: bash scripts/gpu_pass.sh OUT [tests] [profile] [sweep] [bench]}
 shift
@@ -18,16 +19,16 @@ for stage in $stages; do
   echo "== $stage ($(date +%T))"
   case $stage in
     tests)
-      python -m pytest -q -x tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_model.py \
+      timeout 300 python -m pytest -q -x tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_model.py \
         > "$out/gpu-tests.log" 2>&1
       tail -n 2 "$out/gpu-tests.log" ;;
     profile)
-      python scripts/profile_rmsnorm.py --trace "$out/trace.json" > "$out/profile.log" 2>&1
+      timeout 120 python scripts/profile_rmsnorm.py --trace "$out/trace.json" > "$out/profile.log" 2>&1
       head -n 40 "$out/profile.log" ;;
     sweep)
-      python scripts/sweep_rmsnorm.py --quick --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log" ;;
+      timeout 240 python scripts/sweep_rmsnorm.py --quick --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log" ;;
     bench)
-      python scripts/bench_rmsnorm.py --out "$out/bench" > "$out/bench.log" 2>&1
+      timeout 560 python scripts/bench_rmsnorm.py --out "$out/bench" > "$out/bench.log" 2>&1
       tail -n 5 "$out/bench.log"
       tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
