@@ -4,9 +4,10 @@ path itself runs in test_rmsnorm.py on a GPU); the real forward and backward bui
 
 import pytest
 import torch
-from triton import knobs
 
 from ops import rmsnorm_triton as tri
+
+knobs = pytest.importorskip("triton.knobs", reason="Triton < 3.4 launches every kernel through its own path")
 
 
 class FakeCompiled:
