@@ -256,8 +256,8 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
     binding, cache lookup and hook bookkeeping (tens of microseconds of host time) done only the
     first time a specialization is seen. Later launches call the compiled kernel's C launcher
     directly with raw pointers (ops validated the tensors; Triton would re-check each pointer
-    with the driver), on the current stream of the tensors' device. Triton 3.4 through 3.9 share
-    that launcher's signature: grid, stream, function, metadata, launch metadata, two hooks, args."""
+    with the driver), on the current stream of the tensors' device. That launcher's signature (grid, stream,
+    function, metadata, launch metadata, two hooks, args) was read in Triton 3.6 and 3.9."""
     if INTERPRETED:
         kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
         return
@@ -338,7 +338,7 @@ def forward(
     tensors = (x, residual, weight, y, s, y if rstd is None else rstd)
     x_default = (n_rows, 0, D)
     scalars = (n_rows, D, eps, *(x_layout or x_default), *(r_layout or x_default))
-    key = (x.dtype, residual.dtype, weight.dtype, y.dtype, s.dtype, store_rstd,
+    key = (x.dtype, residual.dtype, weight.dtype, y.dtype, s.dtype,
            x.data_ptr() % 16, residual.data_ptr() % 16, weight.data_ptr() % 16,
            _int_class(D), n_rows >= 2**31, _layout_key(x_layout), _layout_key(r_layout))
     flags = (summed is not None, store_rstd)
