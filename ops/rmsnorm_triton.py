@@ -275,7 +275,8 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
 # Bytes of one (padded) row -> (rows per program, warps): the best or near-best of
 # scripts/sweep_rmsnorm.py on the H200 for both the plain and the fused-add forward
 # (docs/benchmarks/rmsnorm-notes.md). Rows up to 1 KiB are packed into 2 KiB programs.
-_FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 16), 16384: (1, 8), 32768: (1, 16), 65536: (1, 16)}
+# 8 and 16 KiB were re-swept for contiguous addressing, under which (2, 16) lost 16%.
+_FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 2), 16384: (2, 8), 32768: (1, 16), 65536: (1, 16)}
 
 
 @functools.cache
@@ -432,15 +433,11 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return d_summed.to(ctx.input_dtypes[0]), d_summed.to(ctx.input_dtypes[1]), dw, None
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Triton RMSNorm on validated inputs, by the cheapest path that serves the caller."""
     if torch.compiler.is_compiling():
         return rms_norm_op(x, weight, eps)[0]
-    if _needs_grad(x, weight):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return RMSNormFunction.apply(x, weight, eps)
     return forward(x, weight, eps)[0]
 
@@ -450,7 +447,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():
         return fused_add_rms_norm_op(x, residual, weight, eps)[:2]
-    if _needs_grad(x, residual, weight):
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         return FusedAddRMSNormFunction.apply(x, residual, weight, eps)
     return forward(x, weight, eps, residual=residual)[:2]
 

@@ -5,7 +5,8 @@
 (a) the blog's figure: 2x256xD, D = 128..8192, fp32/fp16/bf16, microseconds per call including
     the Python wrapper (these shapes are launch-bound);
 (b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128;
-(d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16.
+(d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16, eager and, for
+    ours and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
 Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
 the device-to-device copy of the same bytes (the roofline). Writes rmsnorm-h200.json and PNGs.
 """
@@ -133,6 +134,9 @@ BACKWARD = {
     "hf_eager": FORWARD["hf_eager"],
     "compiled_hf": FORWARD["compiled_hf"],
     "liger": FORWARD["liger"],
+    # The same steps replayed from a CUDA graph: GPU time alone, without the host's launch cost.
+    "triton+graph": lambda x, w: ops.rms_norm(x, w, EPS, impl="triton"),
+    "F.rms_norm+graph": FORWARD["F.rms_norm"],
 }
 
 
@@ -147,7 +151,8 @@ def bench_fwd_bwd(D, impl, rows, dtype, wall):
         x.grad = w.grad = None
         fn(x, w).backward(dy)
 
-    us = tt.do_bench(step, return_mode="median") * 1e3
+    bench = tt.do_bench_cudagraph if impl.endswith("+graph") else tt.do_bench
+    us = bench(step, return_mode="median") * 1e3
     nbytes = 5 * x.numel() * x.element_size()  # x twice, y, dy, dx (the issue's roofline count)
     return record("fwd_bwd", impl, dtype, rows, D, nbytes, us)
 

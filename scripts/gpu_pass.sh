@@ -7,6 +7,7 @@
 # timeline; sweep: launch configs where they still matter; bench: the full RMSNorm benchmark.
 # Everything lands in OUT as at most seven files (the benchmark's JSON and plots as one tarball).
 # Each stage has a time limit, so that one that hangs still leaves the others' results.
+# COMMIT=<hash> names the commit the benchmark records (a copied tree may not carry its git state).
 set -u
 out=${1:?usage: bash scripts/gpu_pass.sh OUT [tests] [profile] [sweep] [bench]}
 shift
@@ -28,7 +29,7 @@ for stage in $stages; do
     sweep)
       timeout 240 python scripts/sweep_rmsnorm.py --quick --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log" ;;
     bench)
-      timeout 560 python scripts/bench_rmsnorm.py --out "$out/bench" > "$out/bench.log" 2>&1
+      timeout 560 python scripts/bench_rmsnorm.py --out "$out/bench" ${COMMIT:+--commit "$COMMIT"} > "$out/bench.log" 2>&1
       tail -n 5 "$out/bench.log"
       tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

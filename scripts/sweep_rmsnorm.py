@@ -5,7 +5,7 @@ are read from; docs/benchmarks/rmsnorm-notes.md records the runs. Prints a table
 Kernels are timed inside a CUDA graph (do_bench_cudagraph), so the numbers are GPU time alone,
 free of the host's launch cost.
 
-    python scripts/sweep_rmsnorm.py --out sweep.json [--quick]
+    python scripts/sweep_rmsnorm.py --out sweep.json [--quick | --shapes 16384x4096,...] [--general-layout]
 """
 
 import argparse
@@ -30,7 +30,7 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
 
-def sweep_forward(dtype, rows, D, residual: bool):
+def sweep_forward(dtype, rows, D, residual: bool, contiguous: bool = True):
     x = torch.randn(rows, D, device="cuda", dtype=dtype)
     r = torch.randn_like(x) if residual else x
     w = torch.randn(D, device="cuda", dtype=dtype)
@@ -49,7 +49,7 @@ def sweep_forward(dtype, rows, D, residual: bool):
 
             def launch():
                 tri._launch(tri._forward_one_pass, ("sweep", dtype), grid[0], (x, r, w, y, s, y),
-                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, True),
+                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, contiguous),
                             warps)
 
             ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
@@ -93,24 +93,35 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="bf16 only, the shapes where configs still matter")
+    p.add_argument("--shapes", help="bf16 forward only, on these ROWSxD shapes (comma-separated)")
+    p.add_argument("--general-layout", action="store_true",
+                   help="address rows through the strided-layout path (CONTIGUOUS=False), to compare the two")
     args = p.parse_args()
-    forward_shapes = QUICK_SHAPES if args.quick else FORWARD_SHAPES
+    if args.shapes:
+        forward_shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    else:
+        forward_shapes = QUICK_SHAPES if args.quick else FORWARD_SHAPES
+    contiguous = not args.general_layout
     src = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     copy = gbps(2 * src.numel() * 2, do_bench(lambda: dst.copy_(src), return_mode="median"))
     out = {"copy_GBps": copy, "forward": [], "backward": []}
     print(f"copy {copy:.0f} GB/s")
     for residual in (False, True):
-        for dtype in (torch.bfloat16,) if args.quick else (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16,) if args.quick or args.shapes else (torch.bfloat16, torch.float32):
             for rows, D in forward_shapes:
                 if dtype == torch.float32 and (rows == 512 or residual or D < 4096):
                     continue
-                res = sweep_forward(dtype, rows, D, residual)
+                res = sweep_forward(dtype, rows, D, residual, contiguous)
                 best = res[0]
-                out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, top=res[:5]))
+                _, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8)
+                table = next((r for r in res if (r["block_rows"], r["warps"]) == (table_rows, table_warps)), None)
+                out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, contiguous=contiguous,
+                                           top=res[:5]))
                 print(f"fwd{'+add' if residual else ''} {str(dtype)[6:]:9} {rows}x{D}: best rows={best['block_rows']}"
-                      f" warps={best['warps']} {best['GBps']:.0f} GB/s {best['us']:.1f} us")
-    for rows, D in BACKWARD_SHAPES[::3] if args.quick else BACKWARD_SHAPES:
+                      f" warps={best['warps']} {best['GBps']:.0f} GB/s {best['us']:.1f} us;"
+                      f" table's rows={table_rows} warps={table_warps} {table['us'] if table else float('nan'):.1f} us")
+    for rows, D in [] if args.shapes else BACKWARD_SHAPES[::3] if args.quick else BACKWARD_SHAPES:
         res = sweep_backward(torch.bfloat16, rows, D)
         best = res[0]
         out["backward"].append(dict(dtype="bfloat16", rows=rows, D=D, top=res[:5]))
