@@ -293,14 +293,19 @@ def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
     return block_d, block_rows, num_warps
 
 
-@functools.cache
-def backward_config(D: int, sm_count: int) -> tuple[int, int, int, int]:
-    """(BLOCK_D, BLOCK_ROWS, num_warps, programs) for the backward, from the same sweep: ~8K
-    elements per step of a program, 2 programs per SM (4 for narrow rows)."""
+@functools.lru_cache(maxsize=1024)
+def backward_config(D: int, n_rows: int, device_index: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps, programs, rows per program) for the backward, from the same
+    sweep: ~8K elements per step of a program, 2 programs per SM (4 for narrow rows). Cached per
+    shape, as a training step repeats its shapes."""
     block_d = triton.next_power_of_2(D)
     block_rows = max(1, min(32, 8192 // block_d))
     num_warps = min(16, max(4, block_rows * block_d // 1024))
-    return block_d, block_rows, num_warps, sm_count * (4 if block_d <= 1024 else 2)
+    # The interpreter (device_index -1) runs few programs, each over many rows.
+    sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
+    programs = min(sm_count * (4 if block_d <= 1024 else 2), _cdiv(n_rows, block_rows))
+    rows_per_program = _cdiv(_cdiv(n_rows, programs), block_rows) * block_rows
+    return block_d, block_rows, num_warps, _cdiv(n_rows, rows_per_program), rows_per_program
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -317,7 +322,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Launch the forward kernel: returns (y, sum or None, rstd or None). Inputs are validated
     by ops.rms_norm. The sum has torch's dtype for `x + residual`, y the promotion of the
-    normalized input's dtype with the weight's, rstd is fp32 per row."""
+    normalized input's dtype with the weight's, rstd is fp32 per row (flat)."""
     D = x.shape[-1]
     n_rows = x.numel() // D
     if residual is None:
@@ -327,7 +332,8 @@ def forward(
         in_dtype = torch.promote_types(x.dtype, residual.dtype)
         summed = _empty(x, in_dtype)
     y = _empty(x, in_dtype if weight.dtype == in_dtype else torch.promote_types(in_dtype, weight.dtype))
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if store_rstd else None
+    # rstd is flat (n_rows,): allocating from a torch.Size costs over twice as much host time.
+    rstd = x.new_empty(n_rows, dtype=torch.float32) if store_rstd else None
     if n_rows == 0:
         return y, summed, rstd
     x, x_layout = _readable_rows(x, n_rows)
@@ -352,13 +358,6 @@ def forward(
     return y, summed, rstd
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # the interpreter: few programs, each over many rows
-
-
 def backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -375,17 +374,15 @@ def backward(
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     x, x_layout = _readable_rows(x, n_rows)
-    block_d, block_rows, num_warps, programs = backward_config(D, _sm_count(x.device))
-    programs = min(programs, _cdiv(n_rows, block_rows))
-    rows_per_program = _cdiv(_cdiv(n_rows, programs), block_rows) * block_rows
-    programs = _cdiv(n_rows, rows_per_program)
-    partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+    block_d, block_rows, num_warps, programs, rows_per_program = backward_config(D, n_rows, x.get_device())
+    partial = x.new_empty(programs * D, dtype=torch.float32)  # flat: a 1-D size is the cheapest to allocate
     has_ds = d_sum is not None
     dy, weight, rstd = dy.contiguous(), weight.contiguous(), rstd.contiguous()
     d_sum = d_sum.contiguous() if has_ds else dy
     tensors = (dy, x, weight, rstd, d_sum, dx, partial)
     scalars = (n_rows, D, rows_per_program, *(x_layout or (n_rows, 0, D)))
-    key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, *(t.data_ptr() % 16 for t in tensors[:5]),
+    key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, dy.data_ptr() % 16, x.data_ptr() % 16,
+           weight.data_ptr() % 16, rstd.data_ptr() % 16, d_sum.data_ptr() % 16,
            _int_class(D), n_rows >= 2**31, _layout_key(x_layout))
     _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
             num_warps)
@@ -473,7 +470,7 @@ def rms_norm_backward_op(
 
 def _fake_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
 @rms_norm_op.register_fake
