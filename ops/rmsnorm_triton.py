@@ -52,14 +52,11 @@ def _forward_one_pass(
     x_inner, x_stride_outer, x_stride_inner,
     r_inner, r_stride_outer, r_stride_inner,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CONTIGUOUS: tl.constexpr, WIDE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
     """BLOCK_ROWS rows per program, each held whole in registers. CONTIGUOUS: x and the residual
-    are plain (rows, D) tensors, addressed without the 64-bit divisions of the general layout.
-    WIDE: offsets may pass 2^31 and are computed in 64 bits (otherwise in 32, fewer instructions)."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    if WIDE:
-        rows = rows.to(tl.int64)
+    are plain (rows, D) tensors, addressed without the 64-bit divisions of the general layout."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < n_rows
     col_ok = cols < D
@@ -134,7 +131,6 @@ def _backward(
     n_rows, D, rows_per_program,
     x_inner, x_stride_outer, x_stride_inner,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr, CONTIGUOUS: tl.constexpr,
-    WIDE: tl.constexpr,
 ):
     """dx and per-program fp32 partial sums of dweight for a contiguous range of rows.
 
@@ -142,16 +138,13 @@ def _backward(
     dy * w rounded to y's dtype (the multiply's backward runs in that dtype); dweight is
     sum(dy * normalized_rounded) accumulated in fp32. HAS_DS adds the gradient of the
     residual-sum output of the fused op (the sum also feeds the next residual branch).
-    WIDE: offsets may pass 2^31 and are computed in 64 bits.
     """
     pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < D
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
-    first = pid * rows_per_program
+    first = pid.to(tl.int64) * rows_per_program
     last = tl.minimum(first + rows_per_program, n_rows)
     for start in range(first, last, BLOCK_ROWS):
         rows = start + tl.arange(0, BLOCK_ROWS)
@@ -233,12 +226,6 @@ def _cdiv(a: int, b: int) -> int:
 def _int_class(v: int) -> tuple[bool, bool, bool]:
     """How Triton specializes an int argument: equal to 1, divisible by 16, beyond 32 bits."""
     return v == 1, v % 16 == 0, not -(2**31) <= v < 2**31
-
-
-def _wide_offsets(n_rows: int, D: int, block_rows: int, contiguous: bool) -> bool:
-    """Whether a kernel must compute element offsets in 64 bits: strided rows, or offsets (up to
-    the last program's padding rows) that can pass 2^31. 32-bit offsets save instructions."""
-    return not contiguous or (n_rows + block_rows) * D >= 2**31
 
 
 def _layout_key(layout: tuple[int, int, int] | None) -> tuple | None:
@@ -364,9 +351,8 @@ def forward(
     flags = (summed is not None, store_rstd)
     if block_rows:
         contiguous = x_layout is None and r_layout is None
-        wide = _wide_offsets(n_rows, D, block_rows, contiguous)
         _launch(_forward_one_pass, key, _cdiv(n_rows, block_rows), tensors, scalars,
-                (block_rows, block_d, *flags, contiguous, wide), num_warps)
+                (block_rows, block_d, *flags, contiguous), num_warps)
     else:
         _launch(_forward_looped, key, n_rows, tensors, scalars, (block_d, *flags), num_warps)
     return y, summed, rstd
@@ -398,9 +384,8 @@ def backward(
     key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, dy.data_ptr() % 16, x.data_ptr() % 16,
            weight.data_ptr() % 16, rstd.data_ptr() % 16, d_sum.data_ptr() % 16,
            _int_class(D), n_rows >= 2**31, _layout_key(x_layout))
-    contiguous = x_layout is None
-    wide = _wide_offsets(n_rows, D, block_rows, contiguous)
-    _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, contiguous, wide), num_warps)
+    _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
+            num_warps)
     # dweight: the partials summed in a fixed order (deterministic for a given shape) and cast in one launch.
     dw = torch.empty_like(weight)
     _launch(_sum_partials, (weight.dtype, _int_class(D)), _cdiv(D, SUM_BLOCK_D), (partial, dw), (programs, D),

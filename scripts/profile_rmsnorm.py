@@ -54,7 +54,7 @@ def host_pieces() -> None:
     y = torch.empty_like(x)
     block_d, block_rows, warps = tri.forward_config(1024, 2)
     tensors, scalars = (x, x, w, y, x, y), (512, 1024, 1e-6, 512, 0, 1024, 512, 0, 1024)
-    consts, programs = (block_rows, block_d, False, False, True, False), 512 // block_rows
+    consts, programs = (block_rows, block_d, False, False, True), 512 // block_rows
     key = ("profile",)
     tri._launch(tri._forward_one_pass, key, programs, tensors, scalars, consts, warps)
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)

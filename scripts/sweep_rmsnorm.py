@@ -49,7 +49,7 @@ def sweep_forward(dtype, rows, D, residual: bool, contiguous: bool = True):
 
             def launch():
                 tri._launch(tri._forward_one_pass, ("sweep", dtype), grid[0], (x, r, w, y, s, y),
-                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, contiguous, not contiguous),
+                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, contiguous),
                             warps)
 
             ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
@@ -79,7 +79,7 @@ def sweep_backward(dtype, rows, D):
 
                 def launch():
                     tri._launch(tri._backward, ("sweep",), programs, (dy, x, w, rstd, dy, dx, partial),
-                                (rows, D, rpp, rows, 0, D), (block_rows, block_d, False, True, False), warps)
+                                (rows, D, rpp, rows, 0, D), (block_rows, block_d, False, True), warps)
                     tri._launch(tri._sum_partials, ("sweep",), triton.cdiv(D, tri.SUM_BLOCK_D), (partial, dw),
                                 (programs, D), (tri.SUM_BLOCK_ROWS, tri.SUM_BLOCK_D), 4)
 

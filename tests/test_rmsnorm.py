@@ -154,28 +154,6 @@ def test_very_wide_rows_take_the_looped_kernel(D):
     assert_matches_hf(rms_norm(x, module.weight.detach(), impl="triton"), x, module)
 
 
-def test_offsets_go_64_bit_only_where_they_can_pass_2_31():
-    from ops.rmsnorm_triton import _wide_offsets
-
-    # The last program's padded rows reach offset (n_rows + block_rows) * D - 1.
-    assert not _wide_offsets(2**21 - 3, 1024, 2, contiguous=True)
-    assert _wide_offsets(2**21 - 2, 1024, 2, contiguous=True)
-    assert _wide_offsets(4, 1024, 2, contiguous=False)  # strided rows: always 64-bit
-
-
-def test_64_bit_offsets_give_the_same_result(monkeypatch):
-    """Inputs past 2^31 elements are too big to build here, so force their 64-bit path on small ones."""
-    from ops import rmsnorm_triton
-
-    x, residual = randn(37, 1024, dtype=torch.bfloat16), randn(37, 1024, dtype=torch.bfloat16, seed=1)
-    w = hf_norm(1024, weight_dtype=torch.bfloat16).weight.detach()
-    narrow = rms_norm(x, w, impl="triton"), *fused_add_rms_norm(x, residual, w, impl="triton")
-    monkeypatch.setattr(rmsnorm_triton, "_wide_offsets", lambda *args, **kwargs: True)
-    wide = rms_norm(x, w, impl="triton"), *fused_add_rms_norm(x, residual, w, impl="triton")
-    for a, b in zip(narrow, wide):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("D", [7, 128, 2176, 20000])
