@@ -114,7 +114,7 @@ def main() -> None:
                     continue
                 res = sweep_forward(dtype, rows, D, residual, contiguous)
                 best = res[0]
-                _, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8, residual)
+                _, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8)
                 table = next((r for r in res if (r["block_rows"], r["warps"]) == (table_rows, table_warps)), None)
                 out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, contiguous=contiguous,
                                            top=res[:5]))
