@@ -55,7 +55,7 @@ def per_call_table(data) -> str:
 def fwd_bwd_table(data) -> str:
     peak = data["copy_GBps"]
     lines = [header(["rows x D", *FWD_BWD_LINES, "roofline", "ours % (eager / graph)"])]
-    for (dtype, rows, D), by_impl in points(data["results"], "fwd_bwd").items():
+    for (_, rows, D), by_impl in points(data["results"], "fwd_bwd").items():
         floor = 5 * rows * D * 2 / peak / 1e3  # 5 passes of bf16 at the peak copy bandwidth, us
         eager, graph = by_impl["triton"]["us"], by_impl["triton+graph"]["us"]
         cells = [f"{by_impl[i]['us']:.0f}" if i in by_impl else "-" for i in FWD_BWD_LINES]

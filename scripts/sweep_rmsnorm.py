@@ -1,11 +1,13 @@
-"""Launch-config sweep for the Triton RMSNorm kernels on a GPU: rows per program x warps.
+"""Launch-config sweep for the Triton RMSNorm kernels on a GPU: rows per program x warps for the
+one-pass forward, chunk width x warps for the looped one, and the backward's configs.
 
 Its output is what the heuristics in ops/rmsnorm_triton.py (forward_config, backward_config)
 are read from; docs/benchmarks/rmsnorm-notes.md records the runs. Prints a table, writes JSON.
 Kernels are timed inside a CUDA graph (do_bench_cudagraph), so the numbers are GPU time alone,
 free of the host's launch cost.
 
-    python scripts/sweep_rmsnorm.py --out sweep.json [--quick | --shapes 16384x4096,...] [--general-layout]
+    python scripts/sweep_rmsnorm.py --out sweep.json [--quick | --shapes 16384x4096,... [--dtype float32]]
+                                    [--general-layout]
 """
 
 import argparse
@@ -54,6 +56,19 @@ def sweep_forward(dtype, rows, D, residual: bool, contiguous: bool = True):
 
             ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
             results.append(dict(block_rows=block_rows, warps=warps, us=ms * 1e3, GBps=gbps(nbytes, ms)))
+    # The looped two-pass kernel (second pass re-reads the row from L2), block_rows 0 in the results.
+    for looped_d in (1024, 2048, 4096):
+        if looped_d > block_d:  # a chunk wider than the row is the one-pass kernel's job
+            continue
+        for warps in (4, 8, 16):
+
+            def launch():
+                tri._launch(tri._forward_looped, ("sweep", dtype), rows, (x, r, w, y, s, y),
+                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (looped_d, residual, False), warps)
+
+            ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
+            results.append(dict(block_rows=0, looped_block_d=looped_d, warps=warps, us=ms * 1e3,
+                                GBps=gbps(nbytes, ms)))
     return sorted(results, key=lambda r: -r["GBps"])
 
 
@@ -93,7 +108,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--quick", action="store_true", help="bf16 only, the shapes where configs still matter")
-    p.add_argument("--shapes", help="bf16 forward only, on these ROWSxD shapes (comma-separated)")
+    p.add_argument("--shapes", help="the forward only, on these ROWSxD shapes (comma-separated)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the dtype of --shapes")
     p.add_argument("--general-layout", action="store_true",
                    help="address rows through the strided-layout path (CONTIGUOUS=False), to compare the two")
     args = p.parse_args()
@@ -108,17 +125,22 @@ def main() -> None:
     out = {"copy_GBps": copy, "forward": [], "backward": []}
     print(f"copy {copy:.0f} GB/s")
     for residual in (False, True):
-        for dtype in (torch.bfloat16,) if args.quick or args.shapes else (torch.bfloat16, torch.float32):
+        dtypes = (getattr(torch, args.dtype),) if args.shapes else (torch.bfloat16,) if args.quick else \
+            (torch.bfloat16, torch.float32)
+        for dtype in dtypes:
             for rows, D in forward_shapes:
-                if dtype == torch.float32 and (rows == 512 or residual or D < 4096):
+                if dtype == torch.float32 and not args.shapes and (rows == 512 or residual or D < 4096):
                     continue
                 res = sweep_forward(dtype, rows, D, residual, contiguous)
                 best = res[0]
-                _, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8)
-                table = next((r for r in res if (r["block_rows"], r["warps"]) == (table_rows, table_warps)), None)
+                table_d, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8)
+                table = next((r for r in res if (r["block_rows"], r["warps"]) == (table_rows, table_warps)
+                              and r.get("looped_block_d", table_d) == table_d), None)
                 out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, contiguous=contiguous,
                                            top=res[:5]))
-                print(f"fwd{'+add' if residual else ''} {str(dtype)[6:]:9} {rows}x{D}: best rows={best['block_rows']}"
+                kernel = f"looped BLOCK_D={best['looped_block_d']}" if "looped_block_d" in best else \
+                    f"rows={best['block_rows']}"
+                print(f"fwd{'+add' if residual else ''} {str(dtype)[6:]:9} {rows}x{D}: best {kernel}"
                       f" warps={best['warps']} {best['GBps']:.0f} GB/s {best['us']:.1f} us;"
                       f" table's rows={table_rows} warps={table_warps} {table['us'] if table else float('nan'):.1f} us")
     for rows, D in [] if args.shapes else BACKWARD_SHAPES[::3] if args.quick else BACKWARD_SHAPES:
