@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 FORWARD_LINES = ["triton", "cuda", "F.rms_norm", "hf_eager", "compiled_hf", "liger", "copy"]
 FWD_BWD_LINES = ["triton", "triton+graph", "F.rms_norm", "F.rms_norm+graph", "hf_eager", "compiled_hf", "liger"]
 
@@ -23,11 +24,11 @@ def header(names) -> str:
     return row(names) + "\n" + row(["---"] * len(names))
 
 
-def points(results, op, rows=None):
-    """{(dtype, rows, D): {impl: record}} for one op, in the order measured."""
+def points(results, op, keep_rows=lambda rows: True):
+    """{(dtype, rows, D): {impl: record}} for one op and the row counts kept, in the order measured."""
     table: dict[tuple, dict] = {}
     for r in results:
-        if r["op"] == op and (rows is None or rows(r["rows"])):
+        if r["op"] == op and keep_rows(r["rows"]):
             table.setdefault((r["dtype"], r["rows"], r["D"]), {})[r["impl"]] = r
     return table
 
@@ -55,8 +56,8 @@ def per_call_table(data) -> str:
 def fwd_bwd_table(data) -> str:
     peak = data["copy_GBps"]
     lines = [header(["rows x D", *FWD_BWD_LINES, "roofline", "ours % (eager / graph)"])]
-    for (_, rows, D), by_impl in points(data["results"], "fwd_bwd").items():
-        floor = 5 * rows * D * 2 / peak / 1e3  # 5 passes of bf16 at the peak copy bandwidth, us
+    for (dtype, rows, D), by_impl in points(data["results"], "fwd_bwd").items():
+        floor = 5 * rows * D * BYTES[dtype] / peak / 1e3  # 5 passes at the peak copy bandwidth, us
         eager, graph = by_impl["triton"]["us"], by_impl["triton+graph"]["us"]
         cells = [f"{by_impl[i]['us']:.0f}" if i in by_impl else "-" for i in FWD_BWD_LINES]
         lines.append(row([f"{rows} x {D}", *cells, f"{floor:.0f}", f"{floor / eager:.0%} / {floor / graph:.0%}"]))
