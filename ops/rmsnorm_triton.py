@@ -280,13 +280,17 @@ _FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 2), 16384: (2, 8), 32768
 
 
 @functools.cache
-def forward_config(D: int, elem_size: int) -> tuple[int, int, int]:
+def forward_config(D: int, elem_size: int, residual: bool) -> tuple[int, int, int]:
     """(BLOCK_D, BLOCK_ROWS, num_warps) for the one-pass kernel; BLOCK_ROWS == 0 means looped.
-    Cached per (D, dtype size), so decode steps never recompute it."""
+    Cached per (D, dtype size, residual), so decode steps never recompute it."""
     block_d = triton.next_power_of_2(D)
     if block_d > MAX_ONE_PASS_D:
         return LOOPED_BLOCK_D, 0, 8
     row_bytes = block_d * elem_size
+    if row_bytes == 16384 and not residual:
+        # Rows of 16 KiB normalize faster in two passes, the second re-reading the row from L2,
+        # than held in registers: fp32 16384 x 4096 took 128.8 us against 135.3 (rmsnorm-notes.md).
+        return LOOPED_BLOCK_D, 0, 16
     if row_bytes <= 1024:
         return block_d, 2048 // row_bytes, 4
     block_rows, num_warps = _FORWARD_TABLE[row_bytes]
@@ -339,7 +343,7 @@ def forward(
     x, x_layout = _readable_rows(x, n_rows)
     residual, r_layout = (x, x_layout) if residual is None else _readable_rows(residual, n_rows)
     weight = weight.contiguous()
-    block_d, block_rows, num_warps = forward_config(D, x.element_size())
+    block_d, block_rows, num_warps = forward_config(D, x.element_size(), summed is not None)
     # Without a residual, S is x: its dtype is the one the normalized row is rounded to.
     s = x if summed is None else summed
     tensors = (x, residual, weight, y, s, y if rstd is None else rstd)

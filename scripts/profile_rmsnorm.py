@@ -52,7 +52,7 @@ def host_pieces() -> None:
     w = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
     y = torch.empty_like(x)
-    block_d, block_rows, warps = tri.forward_config(1024, 2)
+    block_d, block_rows, warps = tri.forward_config(1024, 2, False)
     tensors, scalars = (x, x, w, y, x, y), (512, 1024, 1e-6, 512, 0, 1024, 512, 0, 1024)
     consts, programs = (block_rows, block_d, False, False, True), 512 // block_rows
     key = ("profile",)

@@ -133,7 +133,7 @@ def main() -> None:
                     continue
                 res = sweep_forward(dtype, rows, D, residual, contiguous)
                 best = res[0]
-                table_d, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8)
+                table_d, table_rows, table_warps = tri.forward_config(D, torch.finfo(dtype).bits // 8, residual)
                 table = next((r for r in res if (r["block_rows"], r["warps"]) == (table_rows, table_warps)
                               and r.get("looped_block_d", table_d) == table_d), None)
                 out["forward"].append(dict(dtype=str(dtype), rows=rows, D=D, residual=residual, contiguous=contiguous,

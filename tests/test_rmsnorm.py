@@ -144,13 +144,15 @@ def test_nan_stays_in_its_row(impl, D):
     assert_matches_hf(y, x, module)
 
 
-@pytest.mark.parametrize("D", [65536, 131072])
-def test_very_wide_rows_take_the_looped_kernel(D):
+@pytest.mark.parametrize(("D", "dtype"), [(65536, torch.bfloat16), (131072, torch.bfloat16),
+                                         (8192, torch.bfloat16), (4096, torch.float32)])
+def test_wide_rows_take_the_looped_kernel(D, dtype):
+    """Rows past 16K elements, and plain rows of 16 KiB (faster re-read from L2 on the H200)."""
     from ops.rmsnorm_triton import forward_config
 
-    assert forward_config(D, 2)[1] == 0, "expected the looped kernel"
-    x = randn(2, D, dtype=torch.bfloat16)
-    module = hf_norm(D, weight_dtype=torch.bfloat16)
+    assert forward_config(D, dtype.itemsize, False)[1] == 0, "expected the looped kernel"
+    x = randn(2 if D > 8192 else 37, D, dtype=dtype)
+    module = hf_norm(D, weight_dtype=dtype)
     assert_matches_hf(rms_norm(x, module.weight.detach(), impl="triton"), x, module)
 
 
