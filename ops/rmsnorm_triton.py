@@ -272,11 +272,15 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
                  None, *map(_data_ptr, tensors), *scalars, *constexprs)
 
 
-# Bytes of one (padded) row -> (rows per program, warps): the best or near-best of
-# scripts/sweep_rmsnorm.py on the H200 for both the plain and the fused-add forward
+# Bytes of one (padded) row -> (rows per program, warps) of the one-pass kernel: the best or
+# near-best of scripts/sweep_rmsnorm.py on the H200 for the plain and the fused-add forward
 # (docs/benchmarks/rmsnorm-notes.md). Rows up to 1 KiB are packed into 2 KiB programs.
 # 8 and 16 KiB were re-swept for contiguous addressing, under which (2, 16) lost 16%.
 _FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 2), 16384: (2, 8), 32768: (1, 16), 65536: (1, 16)}
+# Plain rows of 8 and 16 KiB -> (BLOCK_D, warps) of the looped kernel. Two passes, the second
+# re-reading the row from L2, beat holding it in registers there: fp32 16384 x 2048 65.2 us
+# against 67.0, fp32 16384 x 4096 127.6 against 135.3 (rmsnorm-notes.md, item 10).
+_LOOPED_TABLE = {8192: (2048, 8), 16384: (4096, 16)}
 
 
 @functools.cache
@@ -287,10 +291,9 @@ def forward_config(D: int, elem_size: int, residual: bool) -> tuple[int, int, in
     if block_d > MAX_ONE_PASS_D:
         return LOOPED_BLOCK_D, 0, 8
     row_bytes = block_d * elem_size
-    if row_bytes == 16384 and not residual:
-        # Rows of 16 KiB normalize faster in two passes, the second re-reading the row from L2,
-        # than held in registers: fp32 16384 x 4096 took 128.8 us against 135.3 (rmsnorm-notes.md).
-        return LOOPED_BLOCK_D, 0, 16
+    if not residual and row_bytes in _LOOPED_TABLE:
+        looped_d, num_warps = _LOOPED_TABLE[row_bytes]
+        return looped_d, 0, num_warps
     if row_bytes <= 1024:
         return block_d, 2048 // row_bytes, 4
     block_rows, num_warps = _FORWARD_TABLE[row_bytes]
