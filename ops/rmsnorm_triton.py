@@ -277,10 +277,11 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
 # (docs/benchmarks/rmsnorm-notes.md). Rows up to 1 KiB are packed into 2 KiB programs.
 # 8 and 16 KiB were re-swept for contiguous addressing, under which (2, 16) lost 16%.
 _FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 2), 16384: (2, 8), 32768: (1, 16), 65536: (1, 16)}
-# Plain rows of 8 and 16 KiB -> (BLOCK_D, warps) of the looped kernel. Two passes, the second
-# re-reading the row from L2, beat holding it in registers there: fp32 16384 x 2048 65.2 us
-# against 67.0, fp32 16384 x 4096 127.6 against 135.3 (rmsnorm-notes.md, item 10).
-_LOOPED_TABLE = {8192: (2048, 8), 16384: (4096, 16)}
+# Plain rows of 8 to 32 KiB -> (BLOCK_D, warps) of the looped kernel. Two passes, the second
+# re-reading the row from L2, beat holding the row in registers there: fp32 16384 x 2048 65.2 us
+# against 67.0, fp32 16384 x 4096 127.3 against 135.3, bf16 16384 x 16384 262.7 against 338.0
+# (rmsnorm-notes.md, item 11). At 64 KiB rows the one-pass kernel wins again (520 us against 580).
+_LOOPED_TABLE = {8192: (2048, 8), 16384: (2048, 16), 32768: (2048, 16)}
 
 
 @functools.cache

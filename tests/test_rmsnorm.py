@@ -17,9 +17,9 @@ from ops import fused_add_rms_norm, rms_norm
 
 KERNEL_IMPLS = ["torch", "triton", pytest.param("cuda", marks=requires_cuda)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, the widest one-pass
-# row (in fp32 and in the fused add), and one wide enough for the looped two-pass kernel.
-WIDTHS = [1, 3, 127, 128, 1024, 2176, 8192, 20000]
+# 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, Qwen3-32B's hidden
+# padded to 8192, the widest one-pass row, and one wide enough for the looped two-pass kernel.
+WIDTHS = [1, 3, 127, 128, 1024, 2176, 8192, 16384, 20000]
 
 
 def hf_norm(D: int, eps: float = 1e-6, weight_dtype=torch.float32, seed: int = 0) -> Qwen3RMSNorm:
@@ -146,9 +146,10 @@ def test_nan_stays_in_its_row(impl, D):
 
 @pytest.mark.parametrize(("D", "dtype"), [(65536, torch.bfloat16), (131072, torch.bfloat16),
                                          (8192, torch.bfloat16), (4096, torch.float32),
-                                         (4096, torch.bfloat16), (2176, torch.bfloat16), (2048, torch.float32)])
+                                         (4096, torch.bfloat16), (2176, torch.bfloat16), (2048, torch.float32),
+                                         (16384, torch.bfloat16), (8192, torch.float32)])
 def test_wide_rows_take_the_looped_kernel(D, dtype):
-    """Rows past 16K elements, and plain rows of 8 and 16 KiB (faster re-read from L2 on the H200)."""
+    """Rows past 16K elements, and plain rows of 8 to 32 KiB (faster re-read from L2 on the H200)."""
     from ops.rmsnorm_triton import forward_config
 
     assert forward_config(D, dtype.itemsize, False)[1] == 0, "expected the looped kernel"
