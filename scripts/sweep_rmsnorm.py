@@ -64,7 +64,7 @@ def sweep_forward(dtype, rows, D, residual: bool, contiguous: bool = True):
 
             def launch():
                 tri._launch(tri._forward_looped, ("sweep", dtype), rows, (x, r, w, y, s, y),
-                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (looped_d, residual, False), warps)
+                            (rows, 1e-6, rows, 0, D, rows, 0, D), (D, looped_d, residual, False), warps)
 
             ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
             results.append(dict(block_rows=0, looped_block_d=looped_d, warps=warps, us=ms * 1e3,
