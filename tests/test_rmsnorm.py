@@ -17,8 +17,8 @@ from ops import fused_add_rms_norm, rms_norm
 
 KERNEL_IMPLS = ["torch", "triton", pytest.param("cuda", marks=requires_cuda)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, Qwen3-32B's hidden
-# padded to 8192, the widest one-pass row, and one wide enough for the looped two-pass kernel.
+# 1, odd sizes, q/k-norm, Qwen3-0.6B's hidden, a non-power of two above 2048, 16 KiB rows in
+# 16-bit, the widest one-pass row (in fp32), and one wide enough for the looped kernel at any dtype.
 WIDTHS = [1, 3, 127, 128, 1024, 2176, 8192, 16384, 20000]
 
 
