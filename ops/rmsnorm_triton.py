@@ -208,7 +208,7 @@ def row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
     return None
 
 
-def _readable_rows(x: torch.Tensor, n_rows: int) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+def _readable_rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
     """x itself with its row layout (None: contiguous, rows of D), or a contiguous copy when the
     layout can't be addressed in place (a strided last dim, or leading dims needing more than two
     strides)."""
@@ -346,8 +346,8 @@ def forward(
     rstd = x.new_empty(n_rows, dtype=torch.float32) if store_rstd else None
     if n_rows == 0:
         return y, summed, rstd
-    x, x_layout = _readable_rows(x, n_rows)
-    residual, r_layout = (x, x_layout) if residual is None else _readable_rows(residual, n_rows)
+    x, x_layout = _readable_rows(x)
+    residual, r_layout = (x, x_layout) if residual is None else _readable_rows(residual)
     weight = weight.contiguous()
     block_d, block_rows, num_warps = forward_config(D, x.element_size(), summed is not None)
     # Without a residual, S is x: its dtype is the one the normalized row is rounded to.
@@ -383,7 +383,7 @@ def backward(
     n_rows = x.numel() // D
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
-    x, x_layout = _readable_rows(x, n_rows)
+    x, x_layout = _readable_rows(x)
     block_d, block_rows, num_warps, programs, rows_per_program = backward_config(D, n_rows, x.get_device())
     partial = x.new_empty(programs * D, dtype=torch.float32)  # flat: a 1-D size is the cheapest to allocate
     has_ds = d_sum is not None
