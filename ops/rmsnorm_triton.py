@@ -281,9 +281,10 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
 _FORWARD_TABLE = {2048: (1, 2), 4096: (1, 4), 8192: (2, 2), 16384: (2, 8), 32768: (1, 16), 65536: (1, 16)}
 # Plain rows of 8 to 32 KiB -> (BLOCK_D, warps) of the looped kernel. Two passes, the second
 # re-reading the row from L2, beat holding the row in registers there: fp32 16384 x 2048 65.2 us
-# against 67.0, bf16 16384 x 8192 127.4 against 130.0, bf16 16384 x 16384 262.7 against 338.0
-# (rmsnorm-notes.md, item 11). At 64 KiB rows the one-pass kernel wins again (520 us against 580).
-_LOOPED_TABLE = {8192: (2048, 8), 16384: (4096, 16), 32768: (2048, 16)}
+# against 67.0, bf16 16384 x 8192 127.4 against 130.0, bf16 16384 x 16384 257.8 against 283.2
+# (rmsnorm-notes.md, items 11-12). 32 KiB rows want 4096-wide chunks in both dtypes: fp32 x 8192
+# 252.7 us against 257.7 for 2048. At 64 KiB rows the one-pass kernel wins again (520 against 580).
+_LOOPED_TABLE = {8192: (2048, 8), 16384: (4096, 16), 32768: (4096, 16)}
 
 
 @functools.cache
