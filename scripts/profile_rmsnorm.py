@@ -6,7 +6,8 @@ profile of the forward, and a timeline of forward + backward steps.
 Host pieces are timed on a small shape (512 x 1024 bf16, GPU work ~2 us) as wall-clock per call
 over many calls: the public op, its validation, the launcher alone, Triton's own launch, a bare
 torch.empty_like and F.rms_norm for scale; then forward + backward steps, ours against
-F.rms_norm's, and their parts. The large fwd+bwd step is profiled with torch.profiler.
+F.rms_norm's, and their parts, and the same steps again with the backward run on the calling
+thread instead of autograd's device thread. The large fwd+bwd step is profiled with torch.profiler.
 """
 
 import argparse
@@ -60,6 +61,11 @@ def host_pieces() -> None:
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     dy = torch.randn_like(x)
     rstd = tri.forward(x, w, 1e-6, store_rstd=True)[2]
+    steps = {
+        "ours": grad_step(lambda a, b: ops.rms_norm(a, b, 1e-6, impl="triton"), xg, wg, dy),
+        "NoOpFunction": grad_step(NoOpFunction.apply, xg, wg, dy),
+        "F.rms_norm": grad_step(lambda a, b: F.rms_norm(a, (1024,), b, 1e-6), xg, wg, dy),
+    }
     rows = [
         ("ops.rms_norm(impl='triton')", lambda: ops.rms_norm(x, w, 1e-6, impl="triton")),
         ("  ops._check", lambda: ops._check(x, w, 1e-6, "triton")),
@@ -73,19 +79,25 @@ def host_pieces() -> None:
         ("F.rms_norm", lambda: F.rms_norm(x, (1024,), w, 1e-6)),
         ("ops.fused_add_rms_norm(impl='triton')", lambda: ops.fused_add_rms_norm(x, r, w, 1e-6, impl="triton")),
         ("x + r, then F.rms_norm", lambda: F.rms_norm(x + r, (1024,), w, 1e-6)),
-        ("fwd+bwd step, ours", grad_step(lambda a, b: ops.rms_norm(a, b, 1e-6, impl="triton"), xg, wg, dy)),
+        ("fwd+bwd step, ours", steps["ours"]),
         ("  forward with grad (autograd.Function)", lambda: ops.rms_norm(xg, wg, 1e-6, impl="triton")),
         ("    RMSNormFunction.apply", lambda: tri.RMSNormFunction.apply(xg, wg, 1e-6)),
         ("    rmsnorm_triton.forward(store_rstd=True)", lambda: tri.forward(x, w, 1e-6, store_rstd=True)),
         ("    NoOpFunction.apply", lambda: NoOpFunction.apply(xg, wg)),
         ("  rmsnorm_triton.backward alone", lambda: tri.backward(dy, x, w, rstd)),
-        ("fwd+bwd step, NoOpFunction (the engine's floor)", grad_step(NoOpFunction.apply, xg, wg, dy)),
-        ("fwd+bwd step, F.rms_norm", grad_step(lambda a, b: F.rms_norm(a, (1024,), b, 1e-6), xg, wg, dy)),
+        ("fwd+bwd step, NoOpFunction (the engine's floor)", steps["NoOpFunction"]),
+        ("fwd+bwd step, F.rms_norm", steps["F.rms_norm"]),
         ("  forward with grad", lambda: F.rms_norm(xg, (1024,), wg, 1e-6)),
     ]
     print("host us per call, 512 x 1024 bf16")
     for name, fn in rows:
         print(f"  {per_call_us(fn, 2000):7.1f}  {name}")
+    # A CUDA backward normally runs on the engine's device thread, and .backward() waits for it:
+    # a fixed cost per backward call (once per training step), paid by every op alike.
+    print("fwd+bwd steps with the backward on the calling thread (autograd.set_multithreading_enabled(False))")
+    with torch.autograd.set_multithreading_enabled(False):
+        for name, fn in steps.items():
+            print(f"  {per_call_us(fn, 2000):7.1f}  {name}")
 
     profile = cProfile.Profile()
     profile.enable()
