@@ -464,6 +464,8 @@ def fused_add_rms_norm(
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     y, _, rstd = forward(x, weight, eps, store_rstd=True)
     return y, rstd
+
+
 @torch.library.custom_op("qwen3_ops::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -104,6 +104,7 @@ def relative_error(actual: torch.Tensor, truth: torch.Tensor) -> float:
     truth = truth.double()
     return ((actual.double() - truth).norm() / truth.norm()).item()
 
+
 # Whole-model bf16 logits against transformers in bf16: both round every activation to bf16
 # (relative step 2^-8), but attention and matmul kernels differ (SDPA vs eager), so roundings
 # land differently in each of the layers and compound: a few bf16 steps relative to the logits.
