@@ -31,6 +31,7 @@ LOOPED_BLOCK_D = 4096
 SUM_BLOCK_ROWS, SUM_BLOCK_D = 32, 64  # tile of the dweight reduction over the backward's partials
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds of torch
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -246,32 +247,72 @@ def _hooks_active() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-# Specialization key -> compiled kernel. The key is built by the caller from what
-# Triton specializes on: each tensor's dtype and 16-byte alignment and each int's class
-# (_int_class); the device is in it too, as a compiled function belongs to one device.
-_compiled: dict[tuple, object] = {}
+# torch's C++ launcher for Triton-compiled kernels (Inductor's, absent from CPU builds): one C call
+# that parses the arguments by a type string and calls cuLaunchKernel. 6.6 us per launch against
+# 9.2 for Triton's launcher on the H200's host (docs/benchmarks/launch-host-h200.log).
+_static_launch = getattr(getattr(torch._C, "_StaticCudaLauncher", None), "_launch_kernel", None)
+_STATIC_ARG_TYPES = {"i32": "i", "i64": "l", "fp32": "f"}  # Triton's types of our scalar arguments
+
+
+def _static_plan(compiled, n_args: int) -> tuple | None:
+    """(function, warps, shared memory, argument types, trailing null arguments) to launch a compiled
+    kernel through torch's static launcher; None where it can't take it (no such launcher, scratch
+    memory, a cooperative or cluster launch, a run-time argument specialized to a constant) and
+    Triton's own launcher runs it instead."""
+    meta = compiled.metadata
+    types = list(compiled.src.signature.values())
+    runtime = types[:n_args]
+    plain_launch = not any(getattr(meta, name, 0) for name in (
+        "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl"))
+    # Signature: the run-time arguments, then the declared constexprs (Triton >= 3.3 lists them).
+    signature_ok = len(types) >= n_args and "constexpr" not in runtime and set(types[n_args:]) <= {"constexpr"}
+    if _static_launch is None or not plain_launch or getattr(meta, "num_ctas", 1) != 1 or not signature_ok:
+        return None
+    codes = "".join("O" if t[0] == "*" else _STATIC_ARG_TYPES.get(t, "?") for t in runtime)
+    if "?" in codes:
+        return None
+    # Triton >= 3.3 appends scratch-buffer pointers to every kernel's parameters; null when unused.
+    scratch = (None,) * (hasattr(meta, "global_scratch_size") + hasattr(meta, "profile_scratch_size"))
+    return compiled.function, meta.num_warps, meta.shared, codes + "O" * len(scratch), scratch
+
+
+# (kernel, device, warps, constexprs, key) -> (compiled kernel, static launch plan or None). The key
+# is built by the caller from what Triton specializes on: each tensor's dtype and 16-byte alignment
+# and each int's class (_int_class, or the int itself); the device is in it, as a compiled function
+# belongs to one device.
+_compiled: dict[tuple, tuple] = {}
 
 
 def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, constexprs: tuple,
             num_warps: int) -> None:
     """kernel[(programs,)](*tensors, *scalars, *constexprs), with Triton's per-call argument
     binding, cache lookup and hook bookkeeping (tens of microseconds of host time) done only the
-    first time a specialization is seen. Later launches call the compiled kernel's C launcher
-    directly with raw pointers (ops validated the tensors; Triton would re-check each pointer
-    with the driver), on the current stream of the tensors' device. That launcher's signature (grid, stream,
-    function, metadata, launch metadata, two hooks, args) was read in Triton 3.6 and 3.9."""
+    first time a specialization is seen. Later launches pass raw pointers (ops validated the
+    tensors; Triton would re-check each pointer with the driver) on the current stream of the
+    tensors' device to torch's static launcher, or else to the compiled kernel's own C launcher,
+    whose signature (grid, stream, function, metadata, launch metadata, two hooks, args) was read
+    in Triton 3.6 and 3.9."""
     if INTERPRETED:
         kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
         return
     device = tensors[0].get_device()
-    key = (kernel, device, num_warps, constexprs, *key)
-    compiled = _compiled.get(key)
-    if compiled is None or knobs is None or _hooks_active():
+    key = (id(kernel), device, num_warps, constexprs, key)  # id: a JITFunction hashes in Python
+    entry = _compiled.get(key)
+    # A compiled function runs in its device's context, and a launch goes to the current one: tensors
+    # on another device than the current take Triton's own path, under a device guard.
+    if entry is None or knobs is None or _hooks_active() or device != _current_device():
         with torch.cuda.device(device):
-            _compiled[key] = kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
+            compiled = kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
+        _compiled[key] = compiled, _static_plan(compiled, len(tensors) + len(scalars))
         return
-    compiled.run(programs, 1, 1, _current_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                 None, *map(_data_ptr, tensors), *scalars, *constexprs)
+    compiled, plan = entry
+    if plan is None:
+        compiled.run(programs, 1, 1, _current_stream(device), compiled.function, compiled.packed_metadata, None,
+                     None, None, *map(_data_ptr, tensors), *scalars, *constexprs)
+        return
+    function, warps, shared, types, scratch = plan
+    _static_launch(function, programs, 1, 1, warps, shared, types, (*map(_data_ptr, tensors), *scalars, *scratch),
+                   _current_stream(device))
 
 
 # Bytes of one (padded) row -> (rows per program, warps) of the one-pass kernel: the best or
@@ -320,7 +361,10 @@ def backward_config(D: int, n_rows: int, device_index: int) -> tuple[int, int, i
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous uninitialized tensor of x's shape (empty_like is the cheapest allocator call)."""
+    """A contiguous uninitialized tensor of x's shape. empty_like is the cheapest allocator call, and
+    each keyword argument adds to its host time: x's own dtype and contiguous x need neither."""
+    if x.is_contiguous():
+        return torch.empty_like(x) if dtype == x.dtype else torch.empty_like(x, dtype=dtype)
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
@@ -336,29 +380,29 @@ def forward(
     normalized input's dtype with the weight's, rstd is fp32 per row (flat)."""
     D = x.shape[-1]
     n_rows = x.numel() // D
-    if residual is None:
-        summed = None
-        in_dtype = x.dtype
-    else:
-        in_dtype = torch.promote_types(x.dtype, residual.dtype)
-        summed = _empty(x, in_dtype)
+    in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    summed = None if residual is None else _empty(x, in_dtype)
     y = _empty(x, in_dtype if weight.dtype == in_dtype else torch.promote_types(in_dtype, weight.dtype))
     # rstd is flat (n_rows,): allocating from a torch.Size costs over twice as much host time.
     rstd = x.new_empty(n_rows, dtype=torch.float32) if store_rstd else None
     if n_rows == 0:
         return y, summed, rstd
     x, x_layout = _readable_rows(x)
-    residual, r_layout = (x, x_layout) if residual is None else _readable_rows(residual)
     weight = weight.contiguous()
+    # The key holds what Triton specializes on (D itself stands for its int class); y, the sum and
+    # rstd are fresh allocations, always aligned, and their dtypes follow from x's and the weight's.
+    key = (x.dtype, weight.dtype, x.data_ptr() % 16, weight.data_ptr() % 16, D, n_rows >= 2**31,
+           x_layout and _layout_key(x_layout))
+    if residual is None:  # R and S are x, never read; S's dtype is the one the normalized row is rounded to
+        residual, r_layout, s = x, x_layout, x
+    else:
+        residual, r_layout = _readable_rows(residual)
+        s = summed
+        key += (residual.dtype, residual.data_ptr() % 16, r_layout and _layout_key(r_layout))
     block_d, block_rows, num_warps = forward_config(D, x.element_size(), summed is not None)
-    # Without a residual, S is x: its dtype is the one the normalized row is rounded to.
-    s = x if summed is None else summed
     tensors = (x, residual, weight, y, s, y if rstd is None else rstd)
     x_default = (n_rows, 0, D)
     layouts = (*(x_layout or x_default), *(r_layout or x_default))
-    key = (x.dtype, residual.dtype, weight.dtype, y.dtype, s.dtype,
-           x.data_ptr() % 16, residual.data_ptr() % 16, weight.data_ptr() % 16,
-           _int_class(D), n_rows >= 2**31, _layout_key(x_layout), _layout_key(r_layout))
     flags = (summed is not None, store_rstd)
     if block_rows:
         contiguous = x_layout is None and r_layout is None
@@ -394,12 +438,12 @@ def backward(
     scalars = (n_rows, D, rows_per_program, *(x_layout or (n_rows, 0, D)))
     key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, dy.data_ptr() % 16, x.data_ptr() % 16,
            weight.data_ptr() % 16, rstd.data_ptr() % 16, d_sum.data_ptr() % 16,
-           _int_class(D), n_rows >= 2**31, _layout_key(x_layout))
+           D, n_rows >= 2**31, x_layout and _layout_key(x_layout))
     _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
             num_warps)
     # dweight: the partials summed in a fixed order (deterministic for a given shape) and cast in one launch.
     dw = torch.empty_like(weight)
-    _launch(_sum_partials, (weight.dtype, _int_class(D)), _cdiv(D, SUM_BLOCK_D), (partial, dw), (programs, D),
+    _launch(_sum_partials, (weight.dtype, D), _cdiv(D, SUM_BLOCK_D), (partial, dw), (programs, D),
             (SUM_BLOCK_ROWS, SUM_BLOCK_D), 4)
     return dx, dw
 

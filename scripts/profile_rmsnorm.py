@@ -4,8 +4,8 @@ profile of the forward, and a timeline of forward + backward steps.
     python scripts/profile_rmsnorm.py [--trace out/fwd-bwd-trace.json]
 
 Host pieces are timed on a small shape (512 x 1024 bf16, GPU work ~2 us) as wall-clock per call
-over many calls: the public op, its validation, the launcher alone, Triton's own launch, a bare
-torch.empty_like and F.rms_norm for scale; then forward + backward steps, ours against
+over many calls: the public op, its validation, our cached launch, Triton's C launcher and its
+full kernel[grid] launch, a bare torch.empty_like and F.rms_norm for scale; then forward + backward steps, ours against
 F.rms_norm's, and their parts, and the same steps again with the backward run on the calling
 thread instead of autograd's device thread. The large fwd+bwd step is profiled with torch.profiler.
 """
@@ -58,6 +58,8 @@ def host_pieces() -> None:
     consts, programs = (block_rows, block_d, False, False, True), 512 // block_rows
     key = ("profile",)
     tri._launch(tri._forward_one_pass, key, programs, tensors, scalars, consts, warps)
+    (compiled, plan), = [entry for k, entry in tri._compiled.items() if k[-1] == key]
+    stream, pointers = torch.cuda.current_stream().cuda_stream, [t.data_ptr() for t in tensors]
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     dy = torch.randn_like(x)
     rstd = tri.forward(x, w, 1e-6, store_rstd=True)[2]
@@ -70,8 +72,11 @@ def host_pieces() -> None:
         ("ops.rms_norm(impl='triton')", lambda: ops.rms_norm(x, w, 1e-6, impl="triton")),
         ("  ops._check", lambda: ops._check(x, w, 1e-6, "triton")),
         ("  rmsnorm_triton.forward", lambda: tri.forward(x, w, 1e-6)),
-        ("  _launch, cached (direct C launcher)", lambda: tri._launch(tri._forward_one_pass, key, programs, tensors,
-                                                                      scalars, consts, warps)),
+        (f"  _launch, cached ({'torch static' if plan else 'Triton C'} launcher)",
+         lambda: tri._launch(tri._forward_one_pass, key, programs, tensors, scalars, consts, warps)),
+        ("  Triton's C launcher (compiled.run)",
+         lambda: compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                              *pointers, *scalars, *consts)),
         ("  Triton's kernel[grid](...)", lambda: tri._forward_one_pass[(programs,)](*tensors, *scalars, *consts,
                                                                                    num_warps=warps)),
         ("  torch.empty_like", lambda: torch.empty_like(x)),

@@ -144,6 +144,30 @@ def test_nan_stays_in_its_row(impl, D):
     assert_matches_hf(y, x, module)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda" or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_tensors_on_another_gpu_than_the_current_one():
+    """Compiled kernels belong to one device's context: a second GPU's tensors, with the first GPU
+    current, must still be normalized there (the first call compiles, the second is cached), and
+    the gradients must equal the first GPU's bit for bit."""
+    assert torch.cuda.current_device() == 0
+    second = torch.device("cuda", 1)
+    module = hf_norm(1024, weight_dtype=torch.bfloat16).to(second)
+    x, r = randn(37, 1024, dtype=torch.bfloat16).to(second), randn(37, 1024, dtype=torch.bfloat16, seed=1).to(second)
+    dy = randn(37, 1024, dtype=torch.bfloat16, seed=2)
+
+    def gradient(device):
+        xg = x.to(device).requires_grad_(True)
+        rms_norm(xg, module.weight.detach().to(device), impl="triton").backward(dy.to(device))
+        return xg.grad
+
+    for _ in range(2):
+        assert_matches_hf(rms_norm(x, module.weight.detach(), impl="triton"), x, module)
+        y, summed = fused_add_rms_norm(x, r, module.weight.detach(), impl="triton")
+        assert torch.equal(summed, r + x)
+        assert_matches_hf(y, r + x, module)
+        assert torch.equal(gradient(second).cpu(), gradient(DEVICE).cpu())
+
+
 @pytest.mark.parametrize(("D", "dtype"), [(65536, torch.bfloat16), (131072, torch.bfloat16),
                                          (8192, torch.bfloat16), (4096, torch.float32),
                                          (4096, torch.bfloat16), (2176, torch.bfloat16), (2048, torch.float32),

@@ -1,6 +1,9 @@
 """The Triton launch path's plumbing, on the CPU: which calls reuse a compiled kernel, and what
-reaches Triton's C launcher. Fakes stand in for the kernel and its compiled form (the compiled
-path itself runs in test_rmsnorm.py on a GPU); the real forward and backward build the keys."""
+reaches torch's static launcher or Triton's C launcher. Fakes stand in for the kernel, its compiled
+form and the launcher (the compiled path itself runs in test_rmsnorm.py on a GPU); the real
+forward and backward build the keys."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,11 +13,24 @@ from ops import rmsnorm_triton as tri
 knobs = pytest.importorskip("triton.knobs", reason="Triton < 3.4 launches every kernel through its own path")
 
 
+# Signature and metadata of a compiled kernel(X, W, n, eps, BLOCK: constexpr, FLAG: constexpr), as
+# Triton 3.6 reports them: declared constexprs typed "constexpr", scratch sizes present and zero.
+SIGNATURE = {"X": "*bf16", "W": "*bf16", "n": "i32", "eps": "fp32", "BLOCK": "constexpr", "FLAG": "constexpr"}
+
+
+def metadata(**changes):
+    fields = dict(num_warps=4, shared=8, num_ctas=1, global_scratch_size=0, profile_scratch_size=0,
+                  launch_cooperative_grid=False, launch_pdl=False)
+    return SimpleNamespace(**{**fields, **changes})
+
+
 class FakeCompiled:
     function, packed_metadata = "function-handle", "packed-metadata"
 
-    def __init__(self):
+    def __init__(self, signature=SIGNATURE, meta=None):
         self.launches = []
+        self.src = SimpleNamespace(signature=signature)
+        self.metadata = meta or metadata()
 
     def run(self, *args):
         self.launches.append(args)
@@ -39,10 +55,45 @@ class FakeKernel:
 def compiled_mode(monkeypatch):
     monkeypatch.setattr(tri, "INTERPRETED", False)
     monkeypatch.setattr(tri, "_current_stream", lambda device: 1234)
+    monkeypatch.setattr(tri, "_current_device", lambda: -1)  # a CPU tensor's get_device()
     monkeypatch.setattr(tri, "_compiled", {})
+    monkeypatch.setattr(tri, "_static_launch", None)
 
 
-def test_first_launch_compiles_later_ones_call_the_c_launcher(compiled_mode):
+@pytest.fixture
+def static_launches(compiled_mode, monkeypatch):
+    launches = []
+    monkeypatch.setattr(tri, "_static_launch", lambda *args: launches.append(args))
+    return launches
+
+
+def test_first_launch_compiles_later_ones_call_the_static_launcher(static_launches):
+    kernel, x, w = FakeKernel(), torch.zeros(4, 8), torch.ones(8)
+    tri._launch(kernel, ("key",), 5, (x, w), (3, 1e-6), (8, True), 4)
+    assert len(kernel.jit_calls) == 1 and not static_launches
+    tri._launch(kernel, ("key",), 6, (x, w), (4, 1e-5), (8, True), 4)
+    assert len(kernel.jit_calls) == 1 and not kernel.compiled[0].launches
+    # function, grid, warps and shared memory from the compiled kernel; the type string of the
+    # run-time arguments (pointers "O", i32 "i", fp32 "f") and null scratch pointers; the stream.
+    assert static_launches == [("function-handle", 6, 1, 1, 4, 8, "OOifOO",
+                                (x.data_ptr(), w.data_ptr(), 4, 1e-5, None, None), 1234)]
+
+
+@pytest.mark.parametrize("compiled", [
+    FakeCompiled(signature={**SIGNATURE, "n": "constexpr"}),  # n == 1 specialized away
+    FakeCompiled(signature={**SIGNATURE, "n": "u64"}),  # a type the plan does not map
+    FakeCompiled(signature={"X": "*bf16", "W": "*bf16", "eps": "fp32"}),  # an older Triton's signature
+    FakeCompiled(meta=metadata(global_scratch_size=128)),
+    FakeCompiled(meta=metadata(launch_pdl=True)),
+], ids=["specialized-arg", "unmapped-type", "short-signature", "scratch", "pdl"])
+def test_kernels_the_static_launcher_cannot_take_go_to_tritons(static_launches, compiled):
+    kernel, x, w = FakeKernel(), torch.zeros(4, 8), torch.ones(8)
+    tri._compiled[(id(kernel), x.get_device(), 4, (8, True), ("key",))] = compiled, tri._static_plan(compiled, 4)
+    tri._launch(kernel, ("key",), 6, (x, w), (4, 1e-5), (8, True), 4)
+    assert not static_launches and len(compiled.launches) == 1
+
+
+def test_without_the_static_launcher_later_launches_call_tritons_c_launcher(compiled_mode):
     kernel, x, w = FakeKernel(), torch.zeros(4, 8), torch.ones(8)
     tri._launch(kernel, ("key",), 5, (x, w), (3, 1e-6), (8, True), 4)
     assert kernel.jit_calls == [((5,), (x, w, 3, 1e-6, 8, True), 4)]
@@ -59,6 +110,14 @@ def test_a_new_key_num_warps_or_constexpr_compiles_again(compiled_mode):
     for key, constexprs, warps in [(("a",), (8,), 4), (("b",), (8,), 4), (("a",), (16,), 4), (("a",), (8,), 8)]:
         tri._launch(kernel, key, 1, (x,), (), constexprs, warps)
     assert len(kernel.jit_calls) == 4
+
+
+def test_tensors_off_the_current_device_take_tritons_own_path(static_launches, monkeypatch):
+    kernel, x = FakeKernel(), torch.zeros(4, 8)
+    tri._launch(kernel, ("key",), 1, (x,), (), (), 4)
+    monkeypatch.setattr(tri, "_current_device", lambda: 3)
+    tri._launch(kernel, ("key",), 1, (x,), (), (), 4)
+    assert len(kernel.jit_calls) == 2 and not static_launches
 
 
 def test_launch_hooks_take_tritons_own_path(compiled_mode):
