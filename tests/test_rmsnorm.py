@@ -156,7 +156,7 @@ def test_tensors_on_another_gpu_than_the_current_one():
     dy = randn(37, 1024, dtype=torch.bfloat16, seed=2)
 
     def gradient(device):
-        xg = x.to(device).requires_grad_(True)
+        xg = x.detach().to(device, copy=True).requires_grad_(True)
         rms_norm(xg, module.weight.detach().to(device), impl="triton").backward(dy.to(device))
         return xg.grad
 
