@@ -14,6 +14,7 @@ the device-to-device copy of the same bytes (the roofline). Writes rmsnorm-h200.
 import argparse
 import datetime
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -74,16 +75,20 @@ def available(names):
     return [n for n in names if n != "liger" or LigerRMSNormFunction is not None]
 
 
-def wall_us_per_call(fn, calls: int = 300) -> float:
-    """Host wall-clock per call including the Python wrapper, GPU work overlapped (launch-bound)."""
+def wall_us_per_call(fn, calls: int = 300, rounds: int = 5) -> float:
+    """Host wall-clock per call including the Python wrapper, GPU work overlapped (launch-bound):
+    the median of `rounds` runs of `calls` calls, as a shared host's hiccups hit single runs."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:

@@ -96,13 +96,13 @@ def host_pieces() -> None:
     ]
     print("host us per call, 512 x 1024 bf16")
     for name, fn in rows:
-        print(f"  {per_call_us(fn, 2000):7.1f}  {name}")
+        print(f"  {per_call_us(fn, 400):7.1f}  {name}")
     # A CUDA backward normally runs on the engine's device thread, and .backward() waits for it:
     # a fixed cost per backward call (once per training step), paid by every op alike.
     print("fwd+bwd steps with the backward on the calling thread (autograd.set_multithreading_enabled(False))")
     with torch.autograd.set_multithreading_enabled(False):
         for name, fn in steps.items():
-            print(f"  {per_call_us(fn, 2000):7.1f}  {name}")
+            print(f"  {per_call_us(fn, 400):7.1f}  {name}")
 
     profile = cProfile.Profile()
     profile.enable()
