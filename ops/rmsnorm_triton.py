@@ -259,14 +259,17 @@ def _static_plan(compiled, n_args: int) -> tuple | None:
     kernel through torch's static launcher; None where it can't take it (no such launcher, scratch
     memory, a cooperative or cluster launch, a run-time argument specialized to a constant) and
     Triton's own launcher runs it instead."""
+    source = getattr(compiled, "src", None)
+    if _static_launch is None or source is None:
+        return None
     meta = compiled.metadata
-    types = list(compiled.src.signature.values())
+    types = list(source.signature.values())
     runtime = types[:n_args]
     plain_launch = not any(getattr(meta, name, 0) for name in (
         "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid", "launch_pdl"))
     # Signature: the run-time arguments, then the declared constexprs (Triton >= 3.3 lists them).
     signature_ok = len(types) >= n_args and "constexpr" not in runtime and set(types[n_args:]) <= {"constexpr"}
-    if _static_launch is None or not plain_launch or getattr(meta, "num_ctas", 1) != 1 or not signature_ok:
+    if not plain_launch or getattr(meta, "num_ctas", 1) != 1 or not signature_ok:
         return None
     codes = "".join("O" if t[0] == "*" else _STATIC_ARG_TYPES.get(t, "?") for t in runtime)
     if "?" in codes:

@@ -79,13 +79,20 @@ def test_first_launch_compiles_later_ones_call_the_static_launcher(static_launch
                                 (x.data_ptr(), w.data_ptr(), 4, 1e-5, None, None), 1234)]
 
 
+def without_source() -> FakeCompiled:
+    compiled = FakeCompiled()
+    del compiled.src  # a compiled kernel that does not say its signature
+    return compiled
+
+
 @pytest.mark.parametrize("compiled", [
     FakeCompiled(signature={**SIGNATURE, "n": "constexpr"}),  # n == 1 specialized away
     FakeCompiled(signature={**SIGNATURE, "n": "u64"}),  # a type the plan does not map
     FakeCompiled(signature={"X": "*bf16", "W": "*bf16", "eps": "fp32"}),  # an older Triton's signature
     FakeCompiled(meta=metadata(global_scratch_size=128)),
     FakeCompiled(meta=metadata(launch_pdl=True)),
-], ids=["specialized-arg", "unmapped-type", "short-signature", "scratch", "pdl"])
+    without_source(),
+], ids=["specialized-arg", "unmapped-type", "short-signature", "scratch", "pdl", "no-source"])
 def test_kernels_the_static_launcher_cannot_take_go_to_tritons(static_launches, compiled):
     kernel, x, w = FakeKernel(), torch.zeros(4, 8), torch.ones(8)
     tri._compiled[(id(kernel), x.get_device(), 4, (8, True), ("key",))] = compiled, tri._static_plan(compiled, 4)
