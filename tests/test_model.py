@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 import torch
 from checkpoints import hf_config, hf_model, save
-from conftest import DEVICE
+from conftest import DEVICE, requires_cuda, warm_up_on_a_side_stream
 from tolerances import (
     LAYER_BF16_REL,
     LAYER_FP32_ATOL,
@@ -234,3 +234,59 @@ def test_training_steps_give_the_same_losses_with_either_norm():
             losses[impl].append(loss.item())
     assert losses["triton"] == pytest.approx(losses["torch"], rel=TRAINING_LOSS_RTOL)
     assert losses["torch"][-1] < losses["torch"][0]  # it is training
+
+
+# ------------------------------------------------------------------ torch.compile and CUDA graphs
+
+
+def triton_decoder(dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+    """A small decoder on the triton norms, its norm weights moved off ones (a weight applied
+    wrongly would hide behind ones)."""
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(our_config(hf_config(), norm_impl="triton"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model.to(device=DEVICE, dtype=dtype)
+
+
+def test_whole_decoder_compiles_to_one_graph_with_triton_norms():
+    """torch.compile(fullgraph=True) of the whole decoder on norm_impl="triton": one graph, no
+    break (every norm is one custom-op node, its backward another), and the compiled logits and
+    gradients equal eager ones."""
+    model = triton_decoder()
+    ids = input_ids(model.config.vocab_size)
+    explanation = torch._dynamo.explain(model)(ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    norm_ops = {torch.ops.qwen3_ops.rms_norm.default, torch.ops.qwen3_ops.fused_add_rms_norm.default}
+    nodes = [n for n in explanation.graphs[0].graph.nodes if n.target in norm_ops]
+    assert len(nodes) == sum(isinstance(m, ours.RMSNorm) for m in model.modules())  # one node per norm
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+
+    def logits_and_grads(forward):
+        model.zero_grad(set_to_none=True)
+        logits = forward(ids)
+        logits.logsumexp(-1).mean().backward()
+        return [logits.detach()] + [p.grad for p in model.parameters()]
+
+    for actual, expected in zip(logits_and_grads(compiled), logits_and_grads(model), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_cuda_graph_captures_the_whole_decoder_with_triton_norms():
+    """The decoder's forward captured once in a CUDA graph (every norm launched from the cached
+    path) and replayed on new token ids: the logits equal an eager forward's on the same ids."""
+    model = triton_decoder(torch.bfloat16)
+    static_ids = input_ids(model.config.vocab_size)
+    with torch.no_grad():
+        warm_up_on_a_side_stream(lambda: model(static_ids))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_logits = model(static_ids)
+        for seed in (1, 2):
+            static_ids.copy_(input_ids(model.config.vocab_size, seed=seed))
+            graph.replay()
+            assert torch.equal(static_logits, model(static_ids))

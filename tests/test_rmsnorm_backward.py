@@ -3,7 +3,7 @@ through transformers' Qwen3RMSNorm."""
 
 import pytest
 import torch
-from conftest import DEVICE, requires_cuda
+from conftest import DEVICE, requires_cuda, warm_up_on_a_side_stream
 from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -187,22 +187,12 @@ def test_compile_sees_one_node_without_graph_break():
     torch.testing.assert_close(compiled(x, x.flip(0), w), block(x, x.flip(0), w), rtol=0, atol=0)
 
 
-def _warm_up_on_a_side_stream(fn, times: int = 2) -> None:
-    """Compile and cache every kernel outside the capture, as CUDA graph capture requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-
-
 @requires_cuda
 def test_cuda_graph_replays_forward_on_new_inputs():
     x, w, _ = make_case(48, 256, torch.bfloat16)
     residual = torch.randn_like(x)
     static_x = x.clone()
-    _warm_up_on_a_side_stream(lambda: fused_add_rms_norm(static_x, residual, w, impl="triton"))
+    warm_up_on_a_side_stream(lambda: fused_add_rms_norm(static_x, residual, w, impl="triton"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_y, static_s = fused_add_rms_norm(static_x, residual, w, impl="triton")
@@ -229,7 +219,7 @@ def test_cuda_graph_replays_forward_and_backward_on_new_inputs():
         static_x.grad = static_w.grad = None
         step(static_x, static_w)
 
-    _warm_up_on_a_side_stream(fresh_step)
+    warm_up_on_a_side_stream(fresh_step)
     static_x.grad = static_w.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
