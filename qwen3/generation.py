@@ -2,6 +2,8 @@
 
 Prompts of different lengths come left-padded with an attention mask (1 = token, 0 = padding).
 Each row's rotary positions count its own tokens only, so a row generates what it would alone.
+On CUDA, `cuda_graph=True` captures the decode step once (after the prefill) and replays it for
+every later token: one graph launch instead of a thousand kernel launches from Python.
 """
 
 from collections.abc import Callable
@@ -26,6 +28,60 @@ def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
     return SamplingParams(**values)
 
 
+class GraphedDecodeStep:
+    """The model's one-token decode step, captured in a CUDA graph on first use and replayed after.
+    The step has static shapes: its inputs are copied into fixed buffers, and the KV cache writes
+    at the device-side slot `cache.slot` and attends over every slot through a mask (unwritten
+    slots are zeroed once, so masked ones hold no NaN to leak through a zero weight)."""
+
+    def __init__(self, model, cache: KVCache, key_valid: torch.Tensor):
+        self.model, self.cache, self.key_valid = model, cache, key_valid
+        batch, device = key_valid.shape[0], key_valid.device
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        cache.k[:, :, :, cache.length :].zero_()
+        cache.v[:, :, :, cache.length :].zero_()
+
+    def _step(self) -> torch.Tensor:
+        logits = self.model(self.ids, self.positions, cache=self.cache, attention_mask=self.key_valid, last_only=True)
+        return logits[:, -1]
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the next token after ids [B, 1] at positions [B, 1], written at slot
+        cache.length. The returned tensor is overwritten by the next call."""
+        if self.cache.length >= self.cache.max_len:
+            raise ValueError(f"KV cache is full: its {self.cache.max_len} slots are all written")
+        with torch.cuda.device(self.slot.device):  # streams and the capture belong to the model's GPU
+            return self._replay(ids, positions)
+
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.slot.fill_(self.cache.length)
+        self.cache.slot = self.slot
+        try:
+            if self.graph is None:
+                # Compile and load every kernel (Triton's included) before capture: a side stream,
+                # as torch.cuda.graph asks. The warm-up steps write the same slot as the capture.
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._step()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._step()
+            self.graph.replay()
+        finally:
+            self.cache.slot = None
+        self.cache.advance(1)
+        return self.logits
+
+
 @torch.inference_mode()
 def generate(
     model,
@@ -36,6 +92,7 @@ def generate(
     pad_token_id: int | None = None,
     seed: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    cuda_graph: bool = False,
     **sampling,
 ) -> torch.Tensor:
     """Token ids [B, T + n]: the prompt followed by n <= max_new_tokens generated tokens.
@@ -44,7 +101,8 @@ def generate(
     unset ones come from the checkpoint's generation_config.json. A row stops at its first eos
     (ids from the argument, else the generation config, else the model config) and is padded
     with pad_token_id (default: its eos) until every row has stopped. on_token(ids [B]) is
-    called after every step, for streaming.
+    called after every step, for streaming. cuda_graph: replay decode steps from a CUDA graph
+    (CUDA only; the prefill runs eagerly).
     """
     config = model.config
     gen_config = getattr(model, "generation_config", {}) or {}
@@ -64,6 +122,8 @@ def generate(
     if input_ids.min().item() < 0 or input_ids.max().item() >= config.vocab_size:
         raise ValueError(f"input_ids must be token ids in [0, {config.vocab_size})")
     device = model.lm_head.weight.device
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
     input_ids = input_ids.to(device)
 
     eos = eos_token_id if eos_token_id is not None else gen_config.get("eos_token_id", config.eos_token_id)
@@ -89,9 +149,15 @@ def generate(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     rows = torch.arange(B, device=device)
     ids = input_ids
+    graphed = None
     for _ in range(max_new_tokens):
-        mask = key_valid[:, : cache.length + ids.shape[1]] if padded else None
-        logits = model(ids, positions, cache=cache, attention_mask=mask, last_only=True)[:, -1]
+        if cuda_graph and ids.shape[1] == 1:  # a decode step: from the graph, captured on the first
+            if graphed is None:
+                graphed = GraphedDecodeStep(model, cache, key_valid)
+            logits = graphed(ids, positions)
+        else:
+            mask = key_valid[:, : cache.length + ids.shape[1]] if padded else None
+            logits = model(ids, positions, cache=cache, attention_mask=mask, last_only=True)[:, -1]
         new = next_token(logits, seen, params, generator)
         new = torch.where(finished, torch.full_like(new, pad), new)
         seen[rows, new] |= ~finished

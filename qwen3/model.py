@@ -210,6 +210,18 @@ def build_attention_mask(T: int, start: int, key_valid: torch.Tensor | None, dev
     return allowed[:, None]
 
 
+def static_attention_mask(slot: torch.Tensor, n_slots: int, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, 1, T, n_slots] bool mask of a static-shape step whose T queries sit at the cache
+    slots `slot` [T]: each sees the slots up to its own, minus padding, computed on the device
+    so that a replayed CUDA graph follows `slot`."""
+    allowed = torch.arange(n_slots, device=slot.device)[None, :] <= slot[:, None]  # [T, S]
+    if key_valid is not None:
+        allowed = allowed & key_valid[:, None, :n_slots].bool()
+    else:
+        allowed = allowed[None]
+    return allowed[:, None]
+
+
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -240,9 +252,13 @@ class Qwen3ForCausalLM(nn.Module):
             )
         if positions is None:
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        mask = build_attention_mask(T, start, attention_mask, input_ids.device)
+        static = cache is not None and cache.slot is not None  # a static-shape step (see KVCache)
+        if static:
+            mask = static_attention_mask(cache.slot, cache.max_len, attention_mask)
+        else:
+            mask = build_attention_mask(T, start, attention_mask, input_ids.device)
         h = self.model(input_ids, positions, mask, cache)
-        if cache is not None:
+        if cache is not None and not static:
             cache.advance(T)
         if last_only:
             h = h[:, -1:]

@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--presence-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay each decode step from a CUDA graph captured once (CUDA only; default: off)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
@@ -108,6 +110,7 @@ def main(argv=None) -> None:
             eos_token_id=sorted(eos) or None, pad_token_id=pad, seed=args.seed, on_token=on_token,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+            cuda_graph=args.cuda_graph,
         )
     except ValueError as err:
         sys.exit(f"generate.py: error: {err}")

@@ -86,3 +86,9 @@ def test_prompt_longer_than_the_context_is_refused(model_dir):
     result = run_cli("--model", str(model_dir), "--prompt", "x " * 600, "--no-chat")
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "exceeds the model's context" in result.stderr
+
+
+def test_cuda_graph_on_the_cpu_is_refused(model_dir):
+    result = run_cli("--model", str(model_dir), "--prompt", "x", "--device", "cpu", "--cuda-graph")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "cuda_graph=True needs the model on a CUDA device" in result.stderr

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from checkpoints import hf_model, save
-from conftest import DEVICE
+from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import KVCache, Qwen3ForCausalLM
@@ -71,6 +71,45 @@ def test_cached_logits_equal_the_full_forward_at_every_step(models):
         ours(ids[:, :1], cache=cache)
 
 
+def test_static_shape_steps_equal_slicing_steps_on_a_padded_batch(models):
+    """The decode step a CUDA graph replays (KVCache.slot set: it writes at a device-side slot and
+    attends over every slot through a mask) against the usual step, which slices the cache, after
+    the same left-padded prefill. Slots not yet written are zeroed, as GraphedDecodeStep does."""
+    _, ours = models
+    ids, mask = left_pad(prompts([5, 9], ours.config.vocab_size, seed=6))
+    B, T, new = *ids.shape, 6
+    key_valid = torch.ones(B, T + new, dtype=torch.bool, device=DEVICE)
+    key_valid[:, :T] = mask.bool()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    slicing, static = (KVCache.for_model(ours, B, T + new) for _ in range(2))
+    with torch.no_grad():
+        for cache in (slicing, static):
+            ours(ids, positions, cache=cache, attention_mask=key_valid[:, :T])
+        static.k[:, :, :, T:].zero_()
+        static.v[:, :, :, T:].zero_()
+        step_ids, step_positions = ids[:, -1:], positions[:, -1:]
+        for _ in range(new):
+            step_positions = step_positions + 1
+            expected = ours(step_ids, step_positions, cache=slicing,
+                            attention_mask=key_valid[:, : slicing.length + 1], last_only=True)
+            static.slot = torch.tensor([static.length], device=DEVICE)
+            actual = ours(step_ids, step_positions, cache=static, attention_mask=key_valid, last_only=True)
+            static.slot = None
+            static.advance(1)
+            torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+            step_ids = expected[:, -1].argmax(-1, keepdim=True)
+    assert static.length == slicing.length == T + new
+
+
+@requires_cuda
+def test_cuda_graph_decoding_equals_transformers_batched_left_padded(models):
+    reference, ours = models
+    ids, mask = left_pad(prompts([5, 12, 1, 8], reference.config.vocab_size, seed=1))
+    expected = hf_greedy(reference, ids, mask)
+    actual = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, temperature=0.0, cuda_graph=True)
+    assert torch.equal(actual, expected)
+
+
 def test_stops_per_row_at_eos_and_pads(models):
     _, ours = models
     ids, mask = left_pad(prompts([4, 7], ours.config.vocab_size, seed=3))
@@ -120,3 +159,6 @@ def test_refusals_before_any_compute(models):
         ours.generate(torch.zeros(1, 3, dtype=torch.long, device=DEVICE), temperature=-1.0)
     with pytest.raises(TypeError, match="LongTensor"):
         ours.generate(torch.zeros(3, dtype=torch.long, device=DEVICE))
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+            ours.generate(torch.zeros(1, 3, dtype=torch.long), cuda_graph=True)
