@@ -5,6 +5,8 @@
 
 Greedy, batch 1, a random prompt; reports prefill ms, decode tokens/s and the weight bytes moved
 per second (parameter bytes x decode tokens/s), for both, and checks they chose the same tokens.
+On CUDA ours also runs with its decode steps replayed from a CUDA graph ("ours+cuda_graph"; its
+rate leaves out the first decode step, which captures the graph).
 """
 
 import argparse
@@ -36,12 +38,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def time_ours(model, ids, new, device):
+def time_ours(model, ids, new, device, cuda_graph=False):
     stamps = []
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, temperature=0.0, eos_token_id=[],
+    out = model.generate(ids, max_new_tokens=new, temperature=0.0, eos_token_id=[], cuda_graph=cuda_graph,
                          on_token=lambda t: stamps.append(time.perf_counter()))
-    return out, (stamps[0] - start) * 1e3, (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    first = 2 if cuda_graph else 1  # a graphed run captures its graph during its first decode step
+    return out, (stamps[0] - start) * 1e3, (len(stamps) - first) / (stamps[-1] - stamps[first - 1])
+
+
+def time_ours_graphed(model, ids, new, device):
+    return time_ours(model, ids, new, device, cuda_graph=True)
 
 
 def time_hf(model, ids, new, device):
@@ -86,15 +93,20 @@ def main() -> None:
     with torch.inference_mode():
         time_ours(ours, ids, 4, device), time_hf(hf, ids, 4, device)  # warm up both
         results = {}
-        for name, timer, model in (("ours", time_ours, ours), ("transformers", time_hf, hf)):
+        runs = [("ours", time_ours, ours), ("transformers", time_hf, hf)]
+        if device.type == "cuda":
+            runs.append(("ours+cuda_graph", time_ours_graphed, ours))
+        for name, timer, model in runs:
             out, prefill_ms, tok_s = timer(model, ids, args.new, device)
             results[name] = dict(prefill_ms=round(prefill_ms, 1), decode_tok_s=round(tok_s, 1),
                                  decode_GBps=round(weight_bytes * tok_s / 1e9, 1), tokens=out[0].tolist())
-    same = results["ours"].pop("tokens") == results["transformers"].pop("tokens")
+    tokens = {name: result.pop("tokens") for name, result in results.items()}
+    same = tokens["ours"] == tokens["transformers"]
+    graph_same = tokens["ours+cuda_graph"] == tokens["ours"] if "ours+cuda_graph" in tokens else None
     summary = dict(date=datetime.date.today().isoformat(), commit=args.commit, model=str(path.name),
                    device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                    dtype=args.dtype, prompt=args.prompt, new=args.new, norm=ours.config.norm_impl,
-                   weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same,
+                   weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same, cuda_graph_same_tokens=graph_same,
                    versions=dict(torch=torch.__version__, transformers=transformers.__version__), **results)
     print(json.dumps(summary, indent=1))
     if args.json:
