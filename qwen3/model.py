@@ -241,7 +241,9 @@ class Qwen3ForCausalLM(nn.Module):
         last_only: bool = False,  # logits of the last position only (what decoding needs)
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, 1, V] with last_only). With a cache, the new tokens' keys and
-        values are written at the cache's next slots and attention covers everything cached."""
+        values are written at the cache's next slots and attention covers everything cached; with
+        `cache.slot` set (a static-shape step, see KVCache), at those slots, attention masked past
+        them, and the caller advances the cache."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
             raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
         B, T = input_ids.shape
