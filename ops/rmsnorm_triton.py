@@ -231,11 +231,9 @@ def _int_class(v: int) -> tuple[bool, bool, bool]:
     return v == 1, v % 16 == 0, not -(2**31) <= v < 2**31
 
 
-def _layout_key(layout: tuple[int, int, int] | None) -> tuple | None:
-    """The specialization-relevant part of a row layout (inner is not specialized, only sized);
-    None for contiguous rows, whose layout follows from n_rows and D."""
-    if layout is None:
-        return None
+def _layout_key(layout: tuple[int, int, int]) -> tuple:
+    """The specialization-relevant part of a row layout (inner is not specialized, only sized).
+    Callers key contiguous rows (layout None) as None: their layout follows from n_rows and D."""
     inner, stride_outer, stride_inner = layout
     return inner >= 2**31, _int_class(stride_outer), _int_class(stride_inner)
 

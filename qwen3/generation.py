@@ -28,6 +28,17 @@ def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
+    """Run fn on a side stream so that every kernel it launches (Triton's included) is compiled
+    and loaded before a CUDA graph captures it, as torch.cuda.graph asks."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 class GraphedDecodeStep:
     """The model's one-token decode step, captured in a CUDA graph on first use and replayed after.
     The step has static shapes: its inputs are copied into fixed buffers, and the KV cache writes
@@ -64,14 +75,7 @@ class GraphedDecodeStep:
         self.cache.slot = self.slot
         try:
             if self.graph is None:
-                # Compile and load every kernel (Triton's included) before capture: a side stream,
-                # as torch.cuda.graph asks. The warm-up steps write the same slot as the capture.
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        self._step()
-                torch.cuda.current_stream().wait_stream(side)
+                warm_up_on_a_side_stream(self._step)  # writes the same slot as the capture will
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
                     self.logits = self._step()

@@ -195,28 +195,23 @@ class Qwen3Model(nn.Module):
 
 
 def build_attention_mask(T: int, start: int, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:
-    """[B or 1, 1, T, start + T] bool mask: query slot start+i sees key slot j if j <= start+i and
-    the key is not padding. None means plain causal attention over the new tokens only.
-    Every query sees its own slot, so a padding row never attends to nothing (NaN)."""
-    if key_valid is None and (start == 0 or T == 1):  # plain causal, or one new token seeing all
+    """[B or 1, 1, T, start + T] bool mask for T new tokens at slots start.., or None for plain
+    causal attention over the new tokens only (no padding, and nothing cached or one new token)."""
+    if key_valid is None and (start == 0 or T == 1):
         return None
-    q_slots = torch.arange(start, start + T, device=device)[:, None]
-    k_slots = torch.arange(start + T, device=device)[None, :]
-    allowed = k_slots <= q_slots  # [T, S]
-    if key_valid is not None:
-        allowed = (allowed & key_valid[:, None, : start + T].bool()) | (k_slots == q_slots)
-    else:
-        allowed = allowed[None]
-    return allowed[:, None]
+    return slot_attention_mask(torch.arange(start, start + T, device=device), start + T, key_valid)
 
 
-def static_attention_mask(slot: torch.Tensor, n_slots: int, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """[B or 1, 1, T, n_slots] bool mask of a static-shape step whose T queries sit at the cache
-    slots `slot` [T]: each sees the slots up to its own, minus padding, computed on the device
-    so that a replayed CUDA graph follows `slot`."""
-    allowed = torch.arange(n_slots, device=slot.device)[None, :] <= slot[:, None]  # [T, S]
+def slot_attention_mask(q_slots: torch.Tensor, n_slots: int, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """[B or 1, 1, T, n_slots] bool mask for queries at cache slots q_slots [T]: a query sees key
+    slot j if j <= its own slot and the key is not padding. Every query sees its own slot, so a
+    padding row never attends to nothing (NaN). Built on the device from q_slots, so a replayed
+    CUDA graph follows a static-shape step's `cache.slot`."""
+    q = q_slots[:, None]
+    k = torch.arange(n_slots, device=q_slots.device)[None, :]
+    allowed = k <= q  # [T, S]
     if key_valid is not None:
-        allowed = allowed & key_valid[:, None, :n_slots].bool()
+        allowed = (allowed & key_valid[:, None, :n_slots].bool()) | (k == q)
     else:
         allowed = allowed[None]
     return allowed[:, None]
@@ -256,7 +251,7 @@ class Qwen3ForCausalLM(nn.Module):
             positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         static = cache is not None and cache.slot is not None  # a static-shape step (see KVCache)
         if static:
-            mask = static_attention_mask(cache.slot, cache.max_len, attention_mask)
+            mask = slot_attention_mask(cache.slot, cache.max_len, attention_mask)
         else:
             mask = build_attention_mask(T, start, attention_mask, input_ids.device)
         h = self.model(input_ids, positions, mask, cache)

@@ -11,6 +11,7 @@ rate leaves out the first decode step, which captures the graph).
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 import tempfile
@@ -45,10 +46,6 @@ def time_ours(model, ids, new, device, cuda_graph=False):
                          on_token=lambda t: stamps.append(time.perf_counter()))
     first = 2 if cuda_graph else 1  # a graphed run captures its graph during its first decode step
     return out, (stamps[0] - start) * 1e3, (len(stamps) - first) / (stamps[-1] - stamps[first - 1])
-
-
-def time_ours_graphed(model, ids, new, device):
-    return time_ours(model, ids, new, device, cuda_graph=True)
 
 
 def time_hf(model, ids, new, device):
@@ -95,7 +92,7 @@ def main() -> None:
         results = {}
         runs = [("ours", time_ours, ours), ("transformers", time_hf, hf)]
         if device.type == "cuda":
-            runs.append(("ours+cuda_graph", time_ours_graphed, ours))
+            runs.append(("ours+cuda_graph", functools.partial(time_ours, cuda_graph=True), ours))
         for name, timer, model in runs:
             out, prefill_ms, tok_s = timer(model, ids, args.new, device)
             results[name] = dict(prefill_ms=round(prefill_ms, 1), decode_tok_s=round(tok_s, 1),

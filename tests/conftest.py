@@ -24,12 +24,3 @@ requires_cuda = pytest.mark.skipif(
 def device() -> torch.device:
     return DEVICE
 
-
-def warm_up_on_a_side_stream(fn, times: int = 2) -> None:
-    """Compile and cache every kernel outside the capture, as CUDA graph capture requires."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)

@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 import torch
 from checkpoints import hf_config, hf_model, save
-from conftest import DEVICE, requires_cuda, warm_up_on_a_side_stream
+from conftest import DEVICE, requires_cuda
 from tolerances import (
     LAYER_BF16_REL,
     LAYER_FP32_ATOL,
@@ -21,6 +21,7 @@ from transformers.models.qwen3 import modeling_qwen3 as hf
 import ops.rmsnorm_triton
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 from qwen3 import model as ours
+from qwen3.generation import warm_up_on_a_side_stream
 
 
 def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:

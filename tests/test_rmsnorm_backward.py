@@ -3,12 +3,13 @@ through transformers' Qwen3RMSNorm."""
 
 import pytest
 import torch
-from conftest import DEVICE, requires_cuda, warm_up_on_a_side_stream
+from conftest import DEVICE, requires_cuda
 from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ops import fused_add_rms_norm, rms_norm
 from ops import rmsnorm_triton as tri
+from qwen3.generation import warm_up_on_a_side_stream
 
 
 def make_case(rows, D, dtype, seed=0, weight_dtype=None):
