@@ -13,6 +13,7 @@ Outputs are always contiguous and allocated with torch.empty (never zero-filled)
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -285,17 +286,17 @@ _compiled: dict[tuple, tuple] = {}
 
 
 def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, constexprs: tuple,
-            num_warps: int) -> None:
+            num_warps: int) -> tuple | None:
     """kernel[(programs,)](*tensors, *scalars, *constexprs), with Triton's per-call argument
     binding, cache lookup and hook bookkeeping (tens of microseconds of host time) done only the
     first time a specialization is seen. Later launches pass raw pointers (ops validated the
     tensors; Triton would re-check each pointer with the driver) on the current stream of the
     tensors' device to torch's static launcher, or else to the compiled kernel's own C launcher,
     whose signature (grid, stream, function, metadata, launch metadata, two hooks, args) was read
-    in Triton 3.6 and 3.9."""
+    in Triton 3.6 and 3.9. Returns the kernel's static launch plan, or None where there is none."""
     if INTERPRETED:
         kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
-        return
+        return None
     device = tensors[0].get_device()
     key = (id(kernel), device, num_warps, constexprs, key)  # id: a JITFunction hashes in Python
     entry = _compiled.get(key)
@@ -304,16 +305,47 @@ def _launch(kernel, key: tuple, programs: int, tensors: tuple, scalars: tuple, c
     if entry is None or knobs is None or _hooks_active() or device != _current_device():
         with torch.cuda.device(device):
             compiled = kernel[(programs,)](*tensors, *scalars, *constexprs, num_warps=num_warps)
-        _compiled[key] = compiled, _static_plan(compiled, len(tensors) + len(scalars))
-        return
+        plan = _static_plan(compiled, len(tensors) + len(scalars))
+        _compiled[key] = compiled, plan
+        return plan
     compiled, plan = entry
     if plan is None:
         compiled.run(programs, 1, 1, _current_stream(device), compiled.function, compiled.packed_metadata, None,
                      None, None, *map(_data_ptr, tensors), *scalars, *constexprs)
-        return
+        return None
     function, warps, shared, types, scratch = plan
     _static_launch(function, programs, 1, 1, warps, shared, types, (*map(_data_ptr, tensors), *scalars, *scratch),
                    _current_stream(device))
+    return plan
+
+
+# The C++ launcher (rmsnorm_launcher.cpp): its `forward`, once the first plan is registered.
+_cpp_forward = None
+
+
+@functools.cache
+def _cpp_launcher():
+    """The C++ launcher extension, built by torch on first use (~15 s) and cached on disk; None,
+    with a warning, where it cannot be built: every call then takes the Python path."""
+    from torch.utils.cpp_extension import load
+
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rmsnorm_launcher.cpp")
+    try:
+        return load("qwen3_rmsnorm_launcher", [source], extra_cflags=["-O2"], extra_ldflags=["-ldl"])
+    except Exception as error:  # no C++ compiler or ninja: slower host path, same kernels and results
+        warnings.warn(f"the C++ launcher of the Triton RMSNorm could not be built ({error}); "
+                      "calls take the Python launch path", RuntimeWarning, stacklevel=2)
+        return None
+
+
+def _register_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, store_rstd: bool,
+                      plan: tuple, block_rows: int) -> None:
+    """Hand the forward kernel just launched on these contiguous inputs to the C++ launcher."""
+    global _cpp_forward
+    launcher = _cpp_launcher()
+    if launcher is not None:
+        launcher.add_forward_plan(x, residual, weight, store_rstd, *plan[:4], block_rows)
+        _cpp_forward = launcher.forward
 
 
 # Bytes of one (padded) row -> (rows per program, warps) of the one-pass kernel: the best or
@@ -346,19 +378,24 @@ def forward_config(D: int, elem_size: int, residual: bool) -> tuple[int, int, in
     return block_d, block_rows, num_warps
 
 
-@functools.lru_cache(maxsize=1024)
-def backward_config(D: int, n_rows: int, device_index: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_D, BLOCK_ROWS, num_warps, programs, rows per program) for the backward, from the same
-    sweep: ~8K elements per step of a program, 2 programs per SM (4 for narrow rows). Cached per
-    shape, as a training step repeats its shapes."""
+@functools.cache
+def backward_config(D: int, device_index: int) -> tuple[int, int, int, int]:
+    """(BLOCK_D, BLOCK_ROWS, num_warps, most programs) for the backward, from the same sweep: ~8K
+    elements per step of a program, 2 programs per SM (4 for narrow rows)."""
     block_d = triton.next_power_of_2(D)
     block_rows = max(1, min(32, 8192 // block_d))
     num_warps = min(16, max(4, block_rows * block_d // 1024))
     # The interpreter (device_index -1) runs few programs, each over many rows.
     sm_count = torch.cuda.get_device_properties(device_index).multi_processor_count if device_index >= 0 else 2
-    programs = min(sm_count * (4 if block_d <= 1024 else 2), _cdiv(n_rows, block_rows))
+    return block_d, block_rows, num_warps, sm_count * (4 if block_d <= 1024 else 2)
+
+
+def backward_grid(n_rows: int, block_rows: int, max_programs: int) -> tuple[int, int]:
+    """(programs, rows per program): equal runs of whole row blocks. rmsnorm_launcher.cpp computes
+    the same, and must, as dweight's partial sums follow this split."""
+    programs = min(max_programs, _cdiv(n_rows, block_rows))
     rows_per_program = _cdiv(_cdiv(n_rows, programs), block_rows) * block_rows
-    return block_d, block_rows, num_warps, _cdiv(n_rows, rows_per_program), rows_per_program
+    return _cdiv(n_rows, rows_per_program), rows_per_program
 
 
 def _empty(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -379,6 +416,10 @@ def forward(
     """Launch the forward kernel: returns (y, sum or None, rstd or None). Inputs are validated
     by ops.rms_norm. The sum has torch's dtype for `x + residual`, y the promotion of the
     normalized input's dtype with the weight's, rstd is fp32 per row (flat)."""
+    if _cpp_forward is not None and not _hooks_active():  # a profiler's hooks see Triton's launches
+        launched = _cpp_forward(x, residual, weight, eps, store_rstd)
+        if launched is not None:
+            return launched
     D = x.shape[-1]
     n_rows = x.numel() // D
     in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -405,12 +446,14 @@ def forward(
     x_default = (n_rows, 0, D)
     layouts = (*(x_layout or x_default), *(r_layout or x_default))
     flags = (summed is not None, store_rstd)
+    contiguous = x_layout is None and r_layout is None
     if block_rows:
-        contiguous = x_layout is None and r_layout is None
-        _launch(_forward_one_pass, key, _cdiv(n_rows, block_rows), tensors, (n_rows, D, eps, *layouts),
-                (block_rows, block_d, *flags, contiguous), num_warps)
+        plan = _launch(_forward_one_pass, key, _cdiv(n_rows, block_rows), tensors, (n_rows, D, eps, *layouts),
+                       (block_rows, block_d, *flags, contiguous), num_warps)
     else:
-        _launch(_forward_looped, key, n_rows, tensors, (n_rows, eps, *layouts), (D, block_d, *flags), num_warps)
+        plan = _launch(_forward_looped, key, n_rows, tensors, (n_rows, eps, *layouts), (D, block_d, *flags), num_warps)
+    if plan is not None and contiguous and knobs is not None:
+        _register_forward(x, None if summed is None else residual, weight, store_rstd, plan, block_rows)
     return y, summed, rstd
 
 
@@ -430,7 +473,8 @@ def backward(
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     x, x_layout = _readable_rows(x)
-    block_d, block_rows, num_warps, programs, rows_per_program = backward_config(D, n_rows, x.get_device())
+    block_d, block_rows, num_warps, max_programs = backward_config(D, x.get_device())
+    programs, rows_per_program = backward_grid(n_rows, block_rows, max_programs)
     partial = x.new_empty(programs * D, dtype=torch.float32)  # flat: a 1-D size is the cheapest to allocate
     has_ds = d_sum is not None
     dy, weight, rstd = dy.contiguous(), weight.contiguous(), rstd.contiguous()
@@ -440,18 +484,24 @@ def backward(
     key = (dy.dtype, x.dtype, weight.dtype, d_sum.dtype, dy.data_ptr() % 16, x.data_ptr() % 16,
            weight.data_ptr() % 16, rstd.data_ptr() % 16, d_sum.data_ptr() % 16,
            D, n_rows >= 2**31, x_layout and _layout_key(x_layout))
-    _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
-            num_warps)
+    rows_plan = _launch(_backward, key, programs, tensors, scalars, (block_rows, block_d, has_ds, x_layout is None),
+                        num_warps)
     # dweight: the partials summed in a fixed order (deterministic for a given shape) and cast in one launch.
     dw = torch.empty_like(weight)
-    _launch(_sum_partials, (weight.dtype, D), _cdiv(D, SUM_BLOCK_D), (partial, dw), (programs, D),
-            (SUM_BLOCK_ROWS, SUM_BLOCK_D), 4)
+    sum_programs = _cdiv(D, SUM_BLOCK_D)
+    sum_plan = _launch(_sum_partials, (weight.dtype, D), sum_programs, (partial, dw), (programs, D),
+                       (SUM_BLOCK_ROWS, SUM_BLOCK_D), 4)
+    launcher = _cpp_launcher() if rows_plan and sum_plan and x_layout is None and knobs is not None else None
+    if launcher is not None:  # later calls like this one launch from C++
+        launcher.add_backward_plan(dy, x, weight, rstd, d_sum if has_ds else None, rows_plan[:4], sum_plan[:4],
+                                   block_rows, max_programs, sum_programs)
     return dx, dw
 
 
 # -------------------------------------------------------------------------- autograd and ops
-# Eager autograd goes through plain autograd.Functions: a torch.library custom_op costs far more
-# host time per call. Under torch.compile the calls go through the custom_ops below instead, so
+# Eager autograd goes through the C++ launcher's autograd nodes, or, where it is not built or a
+# profiler hooks launches, through the plain autograd.Functions below: a torch.library custom_op
+# costs far more host time per call. Under torch.compile the calls go through the custom_ops below instead, so
 # the compiled graph holds one opaque node per norm (fullgraph, CUDA-graph friendly). custom_op
 # rather than triton_op: it passes every torch.library.opcheck test under TRITON_INTERPRET=1 on
 # CPU, where the test suite runs.
@@ -486,12 +536,20 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return d_summed.to(ctx.input_dtypes[0]), d_summed.to(ctx.input_dtypes[1]), dw, None
 
 
+def _autograd_in_cpp():
+    """The C++ launcher, whose autograd nodes cost less host time than an autograd.Function; None
+    while a profiler's launch hooks are set (they must see every launch, which C++ launches skip),
+    or where it cannot be built."""
+    return None if knobs is not None and _hooks_active() else _cpp_launcher()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Triton RMSNorm on validated inputs, by the cheapest path that serves the caller."""
     if torch.compiler.is_compiling():
         return rms_norm_op(x, weight, eps)[0]
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormFunction.apply(x, weight, eps)
+        nodes = _autograd_in_cpp()
+        return RMSNormFunction.apply(x, weight, eps) if nodes is None else nodes.rms_norm(x, weight, eps)
     return forward(x, weight, eps)[0]
 
 
@@ -501,7 +559,10 @@ def fused_add_rms_norm(
     if torch.compiler.is_compiling():
         return fused_add_rms_norm_op(x, residual, weight, eps)[:2]
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        return FusedAddRMSNormFunction.apply(x, residual, weight, eps)
+        nodes = _autograd_in_cpp()
+        if nodes is None:
+            return FusedAddRMSNormFunction.apply(x, residual, weight, eps)
+        return nodes.fused_add_rms_norm(x, residual, weight, eps)
     return forward(x, weight, eps, residual=residual)[:2]
 
 

@@ -21,6 +21,7 @@ for stage in $stages; do
   case $stage in
     tests)
       timeout 300 python -m pytest -q -x tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_model.py \
+        tests/test_rmsnorm_launch.py tests/test_generation.py \
         > "$out/gpu-tests.log" 2>&1
       tail -n 2 "$out/gpu-tests.log" ;;
     profile)

@@ -1,13 +1,15 @@
-"""The Triton launch path's plumbing, on the CPU: which calls reuse a compiled kernel, and what
-reaches torch's static launcher or Triton's C launcher. Fakes stand in for the kernel, its compiled
-form and the launcher (the compiled path itself runs in test_rmsnorm.py on a GPU); the real
-forward and backward build the keys."""
+"""The Triton launch path's plumbing: which calls reuse a compiled kernel, and what reaches torch's
+static launcher or Triton's C launcher, on the CPU, where fakes stand in for the kernel, its compiled
+form and the launcher (the real forward and backward build the keys); then the C++ launcher, which
+on a GPU must launch what the Python path launches."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DEVICE, requires_cuda
 
+from ops import fused_add_rms_norm, rms_norm
 from ops import rmsnorm_triton as tri
 
 knobs = pytest.importorskip("triton.knobs", reason="Triton < 3.4 launches every kernel through its own path")
@@ -174,3 +176,82 @@ def test_backward_launches_the_kernel_then_the_dweight_reduction(launched_keys):
     x, w = torch.zeros(40, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16)
     tri.backward(torch.zeros_like(x), x, w, torch.ones(40))
     assert [kernel for kernel, _ in launched_keys] == [tri._backward, tri._sum_partials]
+
+
+# ------------------------------------------------------------------ the C++ launcher (rmsnorm_launcher.cpp)
+
+
+def test_cpp_launcher_refuses_a_kernel_signature_it_does_not_know():
+    """A plan is registered with the Triton signature of the kernel it launches; one that does not
+    match the forward's parameters (another Triton, a changed kernel) must be refused, not launched."""
+    launcher = tri._cpp_launcher()
+    assert launcher is not None, "the C++ launcher did not build"
+    x, w = torch.zeros(4, 8), torch.ones(8)
+    one_pass = "OOOOOO" + "iifiiiiii" + "OO"
+    for types, block_rows in [(one_pass[:-3], 2), (one_pass.replace("f", "i"), 2), (one_pass, 0), ("O" * 40, 2)]:
+        with pytest.raises(ValueError, match="unexpected kernel parameter types"):
+            launcher.add_forward_plan(x, None, w, False, 0, 4, 0, types, block_rows)
+
+
+def test_cpp_forward_declines_what_it_has_no_plan_for():
+    launcher = tri._cpp_launcher()
+    assert launcher is not None, "the C++ launcher did not build"
+    assert launcher.forward(torch.zeros(4, 8), None, torch.ones(8), 1e-6, False) is None  # CPU tensors
+
+
+def python_path_forward(monkeypatch, *args, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(tri, "_cpp_forward", None)
+        return tri.forward(*args, **kwargs)
+
+
+@requires_cuda
+@pytest.mark.parametrize(("rows", "D", "dtype", "weight_dtype", "offset"), [
+    (37, 1024, torch.bfloat16, torch.bfloat16, 0),
+    (37, 1024, torch.bfloat16, torch.bfloat16, 1),  # x not 16-byte aligned
+    (300, 4096, torch.float16, torch.float32, 0),  # promotes to fp32
+    (5, 8192, torch.float32, torch.float32, 0),  # the looped kernel
+    (3, 20000, torch.bfloat16, torch.bfloat16, 0),  # looped, D not a multiple of 16
+    (1, 128, torch.bfloat16, torch.bfloat16, 0),  # one row, as a decode step
+])
+def test_cpp_launches_equal_the_python_path(monkeypatch, rows, D, dtype, weight_dtype, offset):
+    """Once a kernel is compiled, repeated contiguous calls launch from C++: the same kernel as the
+    Python path, so the outputs must be equal bit for bit (and, through that path, to HF's)."""
+    flat = torch.randn(rows * D + offset, device=DEVICE).to(dtype)
+    x = flat[offset:].view(rows, D)
+    residual = torch.randn(rows, D, device=DEVICE, dtype=dtype)
+    w = (torch.randn(D, device=DEVICE) * 0.5 + 1).to(weight_dtype)
+    for args in [dict(), dict(store_rstd=True), dict(residual=residual), dict(residual=residual, store_rstd=True)]:
+        expected = python_path_forward(monkeypatch, x, w, 1e-6, **args)  # compiles and registers
+        launched = tri._cpp_forward(x, args.get("residual"), w, 1e-6, args.get("store_rstd", False))
+        assert launched is not None, f"no C++ plan for {args}"
+        for got, want in zip(launched, expected):
+            assert (got is None and want is None) or torch.equal(got, want), args
+
+
+@requires_cuda
+@pytest.mark.parametrize(("D", "dtype", "weight_dtype"), [(1024, torch.bfloat16, torch.bfloat16),
+                                                         (4096, torch.bfloat16, torch.float32),
+                                                         (200, torch.float32, torch.float32)])
+def test_cpp_autograd_nodes_equal_the_autograd_functions(monkeypatch, D, dtype, weight_dtype):
+    """The C++ nodes' second step (launched from C++ throughout) gives the gradients of the
+    autograd.Functions' Python path bit for bit, for the norm and the fused add."""
+    x = torch.randn(300, D, device=DEVICE, dtype=dtype)
+    r = torch.randn(300, D, device=DEVICE, dtype=dtype)
+    w = (torch.randn(D, device=DEVICE) * 0.5 + 1).to(weight_dtype)
+    dy = torch.randn(300, D, device=DEVICE, dtype=torch.promote_types(dtype, weight_dtype))
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, r, w)]
+        y, s = fused_add_rms_norm(leaves[0], leaves[1], leaves[2], impl="triton")
+        (rms_norm(y, leaves[2], impl="triton") + s).backward(dy)
+        return [t.grad for t in leaves]
+
+    step()  # compiles and registers every kernel
+    cpp = step()
+    with monkeypatch.context() as patch:
+        patch.setattr(tri, "_autograd_in_cpp", lambda: None)
+        patch.setattr(tri, "_cpp_forward", None)
+        python = step()
+    for a, b in zip(cpp, python):
+        assert torch.equal(a, b)
