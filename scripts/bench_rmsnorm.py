@@ -3,7 +3,7 @@
     python scripts/bench_rmsnorm.py --out docs/benchmarks
 
 (a) the blog's figure: 2x256xD, D = 128..8192, fp32/fp16/bf16, microseconds per call including
-    the Python wrapper (these shapes are launch-bound);
+    the Python wrapper (these shapes are launch-bound), every line timed in interleaved rounds;
 (b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128;
 (d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16, eager and, for
     ours and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
@@ -13,6 +13,7 @@ the device-to-device copy of the same bytes (the roofline). Writes rmsnorm-h200.
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import subprocess
@@ -75,20 +76,39 @@ def available(names):
     return [n for n in names if n != "liger" or LigerRMSNormFunction is not None]
 
 
+def wall_us(fn, calls: int) -> float:
+    """Host wall-clock per call over `calls` calls, GPU work overlapped (launch-bound shapes)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def wall_us_per_call(fn, calls: int = 300, rounds: int = 5) -> float:
-    """Host wall-clock per call including the Python wrapper, GPU work overlapped (launch-bound):
-    the median of `rounds` runs of `calls` calls, as a shared host's hiccups hit single runs."""
+    """Microseconds per call including the Python wrapper: the median of `rounds` runs of `calls`
+    calls, as a shared host's hiccups hit single runs."""
     for _ in range(20):
         fn()
-    times = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
+    return statistics.median(wall_us(fn, calls) for _ in range(rounds))
+
+
+@functools.cache
+def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, float]:
+    """Microseconds per call of every forward line on the same inputs, measured in interleaved
+    rounds (each round times every line once) so that the host's drift over seconds, which moves
+    all lines alike, does not decide which one wins; the median round per line."""
+    x, w = inputs(rows, D, DTYPES[dtype])
+    lines = {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
+    for fn in lines.values():
+        for _ in range(20):
             fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    times = {name: [] for name in lines}
+    for _ in range(rounds):
+        for name, fn in lines.items():
+            times[name].append(wall_us(fn, calls))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def copy_bandwidth() -> float:
@@ -119,7 +139,10 @@ def bench_forward(D, impl, rows, dtype, wall):
     x, w = inputs(rows, D, DTYPES[dtype])
     fn = FORWARD[impl]
     nbytes = 2 * x.numel() * x.element_size() + w.numel() * w.element_size()
-    us = wall_us_per_call(lambda: fn(x, w)) if wall else tt.do_bench(lambda: fn(x, w), return_mode="median") * 1e3
+    if wall:
+        us = interleaved_wall_us(rows, D, dtype)[impl]
+    else:
+        us = tt.do_bench(lambda: fn(x, w), return_mode="median") * 1e3
     gbps = record("rms_norm", impl, dtype, rows, D, nbytes, us)
     return us if wall else gbps
 

@@ -223,7 +223,7 @@ def test_cpp_launches_equal_the_python_path(monkeypatch, rows, D, dtype, weight_
     w = (torch.randn(D, device=DEVICE) * 0.5 + 1).to(weight_dtype)
     for args in [dict(), dict(store_rstd=True), dict(residual=residual), dict(residual=residual, store_rstd=True)]:
         expected = python_path_forward(monkeypatch, x, w, 1e-6, **args)  # compiles and registers
-        launched = tri._cpp_forward(x, args.get("residual"), w, 1e-6, args.get("store_rstd", False))
+        launched = tri._cpp_launcher().forward(x, args.get("residual"), w, 1e-6, args.get("store_rstd", False))
         assert launched is not None, f"no C++ plan for {args}"
         for got, want in zip(launched, expected):
             assert (got is None and want is None) or torch.equal(got, want), args
