@@ -158,12 +158,12 @@ using ForwardOutputs = std::tuple<Tensor, Tensor, Tensor>;  // y, sum (undefined
 std::optional<ForwardOutputs> forward_in_cpp(const Tensor& x, const OptionalTensor& residual, const Tensor& weight,
                                              double eps, bool store_rstd) {
   if (!servable(x, {&weight, residual ? &*residual : nullptr})) return std::nullopt;
-  ForwardPlan plan;
+  const ForwardPlan* plan;  // plans are never replaced or removed, and a map's elements stay put as it grows
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     const auto found = forward_plans.find(forward_key(x, residual, weight, store_rstd));
     if (found == forward_plans.end()) return std::nullopt;
-    plan = found->second;
+    plan = &found->second;
   }
   const at::ScalarType in_dtype =
       residual ? c10::promoteTypes(x.scalar_type(), residual->scalar_type()) : x.scalar_type();
@@ -176,10 +176,10 @@ std::optional<ForwardOutputs> forward_in_cpp(const Tensor& x, const OptionalTens
   const std::initializer_list<void*> pointers = {
       x.data_ptr(), residual ? residual->data_ptr() : x.data_ptr(), weight.data_ptr(), y.data_ptr(),
       residual ? summed.data_ptr() : x.data_ptr(), store_rstd ? rstd.data_ptr() : y.data_ptr()};
-  if (plan.block_rows)
-    launch(plan.kernel, cdiv(n_rows, plan.block_rows), x, pointers, {n_rows, D, n_rows, 0, D, n_rows, 0, D}, eps);
+  if (plan->block_rows)
+    launch(plan->kernel, cdiv(n_rows, plan->block_rows), x, pointers, {n_rows, D, n_rows, 0, D, n_rows, 0, D}, eps);
   else
-    launch(plan.kernel, n_rows, x, pointers, {n_rows, n_rows, 0, D, n_rows, 0, D}, eps);
+    launch(plan->kernel, n_rows, x, pointers, {n_rows, n_rows, 0, D, n_rows, 0, D}, eps);
   return ForwardOutputs{y, summed, rstd};
 }
 
@@ -188,26 +188,26 @@ std::optional<std::pair<Tensor, Tensor>> backward_in_cpp(const Tensor& dy_in, co
   if (!servable(x, {&weight, &rstd})) return std::nullopt;
   const Tensor dy = dy_in.contiguous();
   const OptionalTensor d_sum = d_sum_in ? OptionalTensor(d_sum_in->contiguous()) : std::nullopt;
-  BackwardPlan plan;
+  const BackwardPlan* plan;
   {
     std::lock_guard<std::mutex> lock(plans_mutex);
     const auto found = backward_plans.find(backward_key(dy, x, weight, rstd, d_sum));
     if (found == backward_plans.end()) return std::nullopt;
-    plan = found->second;
+    plan = &found->second;
   }
   const int64_t D = x.size(-1), n_rows = x.numel() / D;
   // rmsnorm_triton.backward_grid: programs over equal runs of whole row blocks.
-  int64_t programs = std::min(plan.max_programs, cdiv(n_rows, plan.block_rows));
-  const int64_t rows_per_program = cdiv(cdiv(n_rows, programs), plan.block_rows) * plan.block_rows;
+  int64_t programs = std::min(plan->max_programs, cdiv(n_rows, plan->block_rows));
+  const int64_t rows_per_program = cdiv(cdiv(n_rows, programs), plan->block_rows) * plan->block_rows;
   programs = cdiv(n_rows, rows_per_program);
   Tensor dx = at::empty(x.sizes(), x.options());
   Tensor partial = at::empty({programs * D}, x.options().dtype(at::kFloat));
   Tensor dw = at::empty(weight.sizes(), weight.options());
   void* ds = (d_sum ? *d_sum : dy).data_ptr();
-  launch(plan.rows, programs, x,
+  launch(plan->rows, programs, x,
          {dy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), ds, dx.data_ptr(), partial.data_ptr()},
          {n_rows, D, rows_per_program, n_rows, 0, D});
-  launch(plan.sum, plan.sum_programs, x, {partial.data_ptr(), dw.data_ptr()}, {programs, D});
+  launch(plan->sum, plan->sum_programs, x, {partial.data_ptr(), dw.data_ptr()}, {programs, D});
   return std::make_pair(dx, dw);
 }
 
@@ -275,7 +275,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const Kernel kernel =
         kernel_of(function, warps, shared_bytes, types, 6, block_rows ? "iifiiiiii" : "ifiiiiii");
     std::lock_guard<std::mutex> lock(plans_mutex);
-    forward_plans[forward_key(x, residual, weight, store_rstd)] = ForwardPlan{kernel, block_rows};
+    forward_plans.emplace(forward_key(x, residual, weight, store_rstd), ForwardPlan{kernel, block_rows});
   });
   m.def("add_backward_plan", [](const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                 const OptionalTensor& d_sum, py::tuple rows, py::tuple sum, int64_t block_rows,
@@ -288,7 +288,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     };
     BackwardPlan plan{kernel(rows, 7, "iiiiii"), kernel(sum, 2, "ii"), block_rows, max_programs, sum_programs};
     std::lock_guard<std::mutex> lock(plans_mutex);
-    backward_plans[backward_key(dy, x, weight, rstd, d_sum)] = plan;
+    backward_plans.emplace(backward_key(dy, x, weight, rstd, d_sum), plan);
   });
   m.def("forward", [](const Tensor& x, const OptionalTensor& residual, const Tensor& weight, double eps,
                       bool store_rstd) -> py::object {

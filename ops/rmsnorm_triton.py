@@ -325,7 +325,7 @@ _cpp_forward = None
 
 @functools.cache
 def _cpp_launcher():
-    """The C++ launcher extension, built by torch on first use (~15 s) and cached on disk; None,
+    """The C++ launcher extension, built by torch on first use (15-30 s) and cached on disk; None,
     with a warning, where it cannot be built: every call then takes the Python path."""
     from torch.utils.cpp_extension import load
 
@@ -501,10 +501,10 @@ def backward(
 # -------------------------------------------------------------------------- autograd and ops
 # Eager autograd goes through the C++ launcher's autograd nodes, or, where it is not built or a
 # profiler hooks launches, through the plain autograd.Functions below: a torch.library custom_op
-# costs far more host time per call. Under torch.compile the calls go through the custom_ops below instead, so
-# the compiled graph holds one opaque node per norm (fullgraph, CUDA-graph friendly). custom_op
-# rather than triton_op: it passes every torch.library.opcheck test under TRITON_INTERPRET=1 on
-# CPU, where the test suite runs.
+# costs far more host time per call. Under torch.compile the calls go through the custom_ops
+# below instead, so the compiled graph holds one opaque node per norm (fullgraph, CUDA-graph
+# friendly). custom_op rather than triton_op: it passes every torch.library.opcheck test under
+# TRITON_INTERPRET=1 on CPU, where the test suite runs.
 
 
 class RMSNormFunction(torch.autograd.Function):
