@@ -338,13 +338,25 @@ def _cpp_launcher():
         return None
 
 
+def _registered(add_plan, *args) -> bool:
+    """add_plan(*args) on the C++ launcher. A kernel whose parameters it does not expect (from
+    another Triton version) stays on the Python path, with a warning, instead of failing the call."""
+    try:
+        add_plan(*args)
+    except ValueError as error:
+        warnings.warn(f"the C++ launcher cannot take a Triton RMSNorm kernel ({error}); calls of its shape take "
+                      "the Python launch path", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
 def _register_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, store_rstd: bool,
                       plan: tuple, block_rows: int) -> None:
     """Hand the forward kernel just launched on these contiguous inputs to the C++ launcher."""
     global _cpp_forward
     launcher = _cpp_launcher()
-    if launcher is not None:
-        launcher.add_forward_plan(x, residual, weight, store_rstd, *plan[:4], block_rows)
+    if launcher is not None and _registered(launcher.add_forward_plan, x, residual, weight, store_rstd, *plan[:4],
+                                            block_rows):
         _cpp_forward = launcher.forward
 
 
@@ -493,8 +505,8 @@ def backward(
                        (SUM_BLOCK_ROWS, SUM_BLOCK_D), 4)
     launcher = _cpp_launcher() if rows_plan and sum_plan and x_layout is None and knobs is not None else None
     if launcher is not None:  # later calls like this one launch from C++
-        launcher.add_backward_plan(dy, x, weight, rstd, d_sum if has_ds else None, rows_plan[:4], sum_plan[:4],
-                                   block_rows, max_programs, sum_programs)
+        _registered(launcher.add_backward_plan, dy, x, weight, rstd, d_sum if has_ds else None, rows_plan[:4],
+                    sum_plan[:4], block_rows, max_programs, sum_programs)
     return dx, dw
 
 

@@ -255,3 +255,13 @@ def test_cpp_autograd_nodes_equal_the_autograd_functions(monkeypatch, D, dtype, 
         python = step()
     for a, b in zip(cpp, python):
         assert torch.equal(a, b)
+
+
+def test_a_kernel_the_cpp_launcher_refuses_stays_on_the_python_path(monkeypatch):
+    """A Triton whose kernel parameters differ from what the C++ side expects must not fail the
+    call that compiled the kernel: the plan is left out, with a warning."""
+    monkeypatch.setattr(tri, "_cpp_forward", None)
+    plan = (0, 4, 0, "OOOOOO" + "iiiiiiiii", None)  # eps typed as an int: refused
+    with pytest.warns(RuntimeWarning, match="cannot take a Triton RMSNorm kernel"):
+        tri._register_forward(torch.zeros(4, 8), None, torch.ones(8), False, plan, 2)
+    assert tri._cpp_forward is None
