@@ -83,11 +83,15 @@ int64_t unaligned_bits(std::initializer_list<const Tensor*> tensors) {
   return bits;
 }
 
+// Above the dtype codes. (get_device() returns an 8-bit DeviceIndex, which promotes to int: shifted
+// by 32 as an int, the device was lost and two GPUs' kernels shared keys.)
+int64_t device_code(const Tensor& t) { return int64_t(t.get_device() + 1) << 32; }
+
 Key forward_key(const Tensor& x, const OptionalTensor& residual, const Tensor& weight, bool store_rstd) {
   const Tensor* r = residual ? &*residual : nullptr;
   const int64_t D = x.size(-1), wide = x.numel() / D >= (int64_t(1) << 31);
   return {int64_t(store_rstd) | wide << 1 | unaligned_bits({&x, r, &weight}) << 2, D,
-          dtype_codes({&x, r, &weight}) | (x.get_device() + 1) << 32};
+          dtype_codes({&x, r, &weight}) | device_code(x)};
 }
 
 // The backward kernel reads dy as DS when there is no d_sum (HAS_DS, compiled in, says which).
@@ -96,7 +100,7 @@ Key backward_key(const Tensor& dy, const Tensor& x, const Tensor& weight, const 
   const int64_t D = x.size(-1), wide = x.numel() / D >= (int64_t(1) << 31);
   const Tensor& ds = d_sum ? *d_sum : dy;
   return {int64_t(d_sum.has_value()) | wide << 1 | unaligned_bits({&dy, &x, &weight, &rstd, &ds}) << 2, D,
-          dtype_codes({&dy, &x, &weight, &ds}) | (x.get_device() + 1) << 32};
+          dtype_codes({&dy, &x, &weight, &ds}) | device_code(x)};
 }
 
 // types must be n_pointers pointers, then the scalars (pattern: i an int of either width, f eps),
