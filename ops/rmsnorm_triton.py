@@ -511,47 +511,18 @@ def backward(
 
 
 # -------------------------------------------------------------------------- autograd and ops
-# Eager autograd goes through the C++ launcher's autograd nodes, or, where it is not built or a
-# profiler hooks launches, through the plain autograd.Functions below: a torch.library custom_op
-# costs far more host time per call. Under torch.compile the calls go through the custom_ops
-# below instead, so the compiled graph holds one opaque node per norm (fullgraph, CUDA-graph
-# friendly). custom_op rather than triton_op: it passes every torch.library.opcheck test under
-# TRITON_INTERPRET=1 on CPU, where the test suite runs.
-
-
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, _, rstd = forward(x, weight, eps, store_rstd=True)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = backward(dy, x, weight, rstd)
-        return dx, dw, None
-
-
-class FusedAddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        y, summed, rstd = forward(x, weight, eps, residual=residual, store_rstd=True)
-        ctx.save_for_backward(summed, weight, rstd)
-        ctx.input_dtypes = (x.dtype, residual.dtype)
-        return y, summed
-
-    @staticmethod
-    def backward(ctx, dy, d_sum):
-        summed, weight, rstd = ctx.saved_tensors
-        d_summed, dw = backward(dy, summed, weight, rstd, d_sum)
-        return d_summed.to(ctx.input_dtypes[0]), d_summed.to(ctx.input_dtypes[1]), dw, None
+# Eager autograd goes through the C++ launcher's autograd nodes. Under torch.compile, and where the
+# launcher is not built or a profiler hooks launches, the calls go through the custom_ops below
+# and their registered autograd instead (more host time per call than the C++ nodes), so a
+# compiled graph holds one opaque node per norm (fullgraph, CUDA-graph friendly). custom_op rather
+# than triton_op: it passes every torch.library.opcheck test under TRITON_INTERPRET=1 on CPU,
+# where the test suite runs.
 
 
 def _autograd_in_cpp():
-    """The C++ launcher, whose autograd nodes cost less host time than an autograd.Function; None
-    while a profiler's launch hooks are set (they must see every launch, which C++ launches skip),
-    or where it cannot be built."""
+    """The C++ launcher, whose autograd nodes cost the least host time; None while a profiler's
+    launch hooks are set (they must see every launch, which C++ launches skip), or where it cannot
+    be built."""
     return None if knobs is not None and _hooks_active() else _cpp_launcher()
 
 
@@ -561,7 +532,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_op(x, weight, eps)[0]
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         nodes = _autograd_in_cpp()
-        return RMSNormFunction.apply(x, weight, eps) if nodes is None else nodes.rms_norm(x, weight, eps)
+        return rms_norm_op(x, weight, eps)[0] if nodes is None else nodes.rms_norm(x, weight, eps)
     return forward(x, weight, eps)[0]
 
 
@@ -573,7 +544,7 @@ def fused_add_rms_norm(
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         nodes = _autograd_in_cpp()
         if nodes is None:
-            return FusedAddRMSNormFunction.apply(x, residual, weight, eps)
+            return fused_add_rms_norm_op(x, residual, weight, eps)[:2]
         return nodes.fused_add_rms_norm(x, residual, weight, eps)
     return forward(x, weight, eps, residual=residual)[:2]
 

@@ -6,8 +6,8 @@ profile of the forward, and a timeline of forward + backward steps.
 Host pieces are timed on a small shape (512 x 1024 bf16, GPU work ~2 us) as wall-clock per call
 over many calls: the public op, its validation, the C++ launcher, our Python cached launch,
 Triton's C launcher and its full kernel[grid] launch, a bare torch.empty_like and F.rms_norm for
-scale; then forward + backward steps, ours (through the C++ autograd node and through the Python
-autograd.Function) against F.rms_norm's, and their parts, and the same steps again with the
+scale; then forward + backward steps, ours (through the C++ autograd node and through the custom
+op's Python autograd) against F.rms_norm's, and their parts, and the same steps again with the
 backward run on the calling thread instead of autograd's device thread. The large fwd+bwd step is
 profiled with torch.profiler.
 """
@@ -67,7 +67,7 @@ def host_pieces() -> None:
     rstd = tri.forward(x, w, 1e-6, store_rstd=True)[2]
     steps = {
         "ours": grad_step(lambda a, b: ops.rms_norm(a, b, 1e-6, impl="triton"), xg, wg, dy),
-        "ours through RMSNormFunction": grad_step(lambda a, b: tri.RMSNormFunction.apply(a, b, 1e-6), xg, wg, dy),
+        "ours through the custom op": grad_step(lambda a, b: tri.rms_norm_op(a, b, 1e-6)[0], xg, wg, dy),
         "NoOpFunction": grad_step(NoOpFunction.apply, xg, wg, dy),
         "F.rms_norm": grad_step(lambda a, b: F.rms_norm(a, (1024,), b, 1e-6), xg, wg, dy),
     }
@@ -90,8 +90,8 @@ def host_pieces() -> None:
         ("x + r, then F.rms_norm", lambda: F.rms_norm(x + r, (1024,), w, 1e-6)),
         ("fwd+bwd step, ours", steps["ours"]),
         ("  forward with grad (the C++ autograd node)", lambda: ops.rms_norm(xg, wg, 1e-6, impl="triton")),
-        ("fwd+bwd step, ours through RMSNormFunction (Python)", steps["ours through RMSNormFunction"]),
-        ("    RMSNormFunction.apply", lambda: tri.RMSNormFunction.apply(xg, wg, 1e-6)),
+        ("fwd+bwd step, ours through the custom op (Python)", steps["ours through the custom op"]),
+        ("    the custom op with grad", lambda: tri.rms_norm_op(xg, wg, 1e-6)),
         ("    rmsnorm_triton.forward(store_rstd=True)", lambda: tri.forward(x, w, 1e-6, store_rstd=True)),
         ("    NoOpFunction.apply", lambda: NoOpFunction.apply(xg, wg)),
         ("  rmsnorm_triton.backward alone", lambda: tri.backward(dy, x, w, rstd)),

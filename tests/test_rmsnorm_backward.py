@@ -39,10 +39,10 @@ def our_grads(x, w, dy, eps=1e-6):
     return y.detach(), xx.grad, ww.grad
 
 
-@pytest.fixture(params=["cpp-nodes", "autograd.Function"])
+@pytest.fixture(params=["cpp-nodes", "custom-op"])
 def autograd_path(request, monkeypatch):
     """Both autograd paths: the C++ launcher's nodes (which CI must be able to build), and the
-    autograd.Functions used where it cannot be built or a profiler hooks launches."""
+    custom ops' registered autograd, used where it cannot be built or a profiler hooks launches."""
     if request.param == "cpp-nodes":
         assert tri._autograd_in_cpp() is not None, "the C++ launcher did not build"
     else:

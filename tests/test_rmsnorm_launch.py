@@ -233,9 +233,9 @@ def test_cpp_launches_equal_the_python_path(monkeypatch, rows, D, dtype, weight_
 @pytest.mark.parametrize(("D", "dtype", "weight_dtype"), [(1024, torch.bfloat16, torch.bfloat16),
                                                          (4096, torch.bfloat16, torch.float32),
                                                          (200, torch.float32, torch.float32)])
-def test_cpp_autograd_nodes_equal_the_autograd_functions(monkeypatch, D, dtype, weight_dtype):
+def test_cpp_autograd_nodes_equal_the_python_path(monkeypatch, D, dtype, weight_dtype):
     """The C++ nodes' second step (launched from C++ throughout) gives the gradients of the
-    autograd.Functions' Python path bit for bit, for the norm and the fused add."""
+    Python path (the custom ops' autograd) bit for bit, for the norm and the fused add."""
     x = torch.randn(300, D, device=DEVICE, dtype=dtype)
     r = torch.randn(300, D, device=DEVICE, dtype=dtype)
     w = (torch.randn(D, device=DEVICE) * 0.5 + 1).to(weight_dtype)
