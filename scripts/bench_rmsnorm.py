@@ -3,12 +3,13 @@
     python scripts/bench_rmsnorm.py --out docs/benchmarks
 
 (a) the blog's figure: 2x256xD, D = 128..8192, fp32/fp16/bf16, microseconds per call including
-    the Python wrapper (these shapes are launch-bound), every line timed in interleaved rounds;
+    the Python wrapper (these shapes are launch-bound);
 (b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128;
 (d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16, eager and, for
     ours and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
 Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
-the device-to-device copy of the same bytes (the roofline). Writes rmsnorm-h200.json and PNGs.
+the device-to-device copy of the same bytes (the roofline). At each point every line is timed
+in interleaved rounds, on the same inputs. Writes rmsnorm-h200.json and PNGs.
 """
 
 import argparse
@@ -136,23 +137,16 @@ def forward_benchmark(name, rows, x_vals, dtypes, lines, wall=False):
 
 
 def bench_forward(D, impl, rows, dtype, wall):
-    x, w = inputs(rows, D, DTYPES[dtype])
-    fn = FORWARD[impl]
-    nbytes = 2 * x.numel() * x.element_size() + w.numel() * w.element_size()
-    if wall:
-        us = interleaved_wall_us(rows, D, dtype)[impl]
-    else:
-        us = tt.do_bench(lambda: fn(x, w), return_mode="median") * 1e3
+    x_bytes = rows * D * DTYPES[dtype].itemsize
+    nbytes = 2 * x_bytes + D * DTYPES[dtype].itemsize
+    us = interleaved_wall_us(rows, D, dtype)[impl] if wall else interleaved_do_bench("rms_norm", rows, D, dtype)[impl]
     gbps = record("rms_norm", impl, dtype, rows, D, nbytes, us)
     return us if wall else gbps
 
 
 def bench_fused(D, impl, rows, dtype, wall):
-    x, w = inputs(rows, D, DTYPES[dtype])
-    r = torch.randn_like(x)
-    fn = FUSED[impl]
-    nbytes = 4 * x.numel() * x.element_size() + w.numel() * w.element_size()
-    us = tt.do_bench(lambda: fn(x, r, w), return_mode="median") * 1e3
+    nbytes = 4 * rows * D * DTYPES[dtype].itemsize + D * DTYPES[dtype].itemsize
+    us = interleaved_do_bench("fused_add_rms_norm", rows, D, dtype)[impl]
     return record("fused_add_rms_norm", impl, dtype, rows, D, nbytes, us)
 
 
@@ -168,20 +162,41 @@ BACKWARD = {
 }
 
 
-def bench_fwd_bwd(D, impl, rows, dtype, wall):
-    x, w = inputs(rows, D, DTYPES[dtype])
-    x.requires_grad_(True)
-    w.requires_grad_(True)
-    dy = torch.randn_like(x)
-    fn = BACKWARD[impl]
-
+def fwd_bwd_step(fn, x, w, dy):
     def step():
         x.grad = w.grad = None
         fn(x, w).backward(dy)
+    return step
 
-    bench = tt.do_bench_cudagraph if impl.endswith("+graph") else tt.do_bench
-    us = bench(step, return_mode="median") * 1e3
-    nbytes = 5 * x.numel() * x.element_size()  # x twice, y, dy, dx (the issue's roofline count)
+
+@functools.cache
+def interleaved_do_bench(op: str, rows: int, D: int, dtype: str, rounds: int = 5) -> dict[str, float]:
+    """do_bench medians (L2 flushed before each call) of every line of `op` on the same inputs, in
+    interleaved rounds of 20 ms each, as for the 512-row lines: the median round per line. Drift
+    over a run moves all lines of a round alike, so it no longer decides which line leads where
+    they are within a few percent (item 16 of rmsnorm-notes.md)."""
+    x, w = inputs(rows, D, DTYPES[dtype])
+    if op == "rms_norm":
+        lines = {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
+    elif op == "fused_add_rms_norm":
+        r = torch.randn_like(x)
+        lines = {name: functools.partial(FUSED[name], x, r, w) for name in available(list(FUSED))}
+    else:
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        dy = torch.randn_like(x)
+        lines = {name: fwd_bwd_step(BACKWARD[name], x, w, dy) for name in available(list(BACKWARD))}
+    times = {name: [] for name in lines}
+    for _ in range(rounds):
+        for name, fn in lines.items():
+            bench = tt.do_bench_cudagraph if name.endswith("+graph") else functools.partial(tt.do_bench, warmup=5)
+            times[name].append(bench(fn, rep=20, return_mode="median") * 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_fwd_bwd(D, impl, rows, dtype, wall):
+    us = interleaved_do_bench("fwd_bwd", rows, D, dtype)[impl]
+    nbytes = 5 * rows * D * DTYPES[dtype].itemsize  # x twice, y, dy, dx (the issue's roofline count)
     return record("fwd_bwd", impl, dtype, rows, D, nbytes, us)
 
 
