@@ -96,10 +96,10 @@ def wall_us_per_call(fn, calls: int = 300, rounds: int = 5) -> float:
 
 
 @functools.cache
-def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, float]:
+def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, list]:
     """Microseconds per call of every forward line on the same inputs, measured in interleaved
     rounds (each round times every line once) so that the host's drift over seconds, which moves
-    all lines alike, does not decide which one wins; the median round per line."""
+    all lines alike, does not decide which one wins. Returns each line's rounds."""
     x, w = inputs(rows, D, DTYPES[dtype])
     lines = {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
     for fn in lines.values():
@@ -109,7 +109,7 @@ def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds:
     for _ in range(rounds):
         for name, fn in lines.items():
             times[name].append(wall_us(fn, calls))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def copy_bandwidth() -> float:
@@ -118,10 +118,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (tt.do_bench(src.clone, return_mode="median") * 1e-3) / 1e9
 
 
-def record(op, impl, dtype, rows, D, nbytes, us):
+def record(op, impl, dtype, rows, D, nbytes, rounds: list[float]) -> tuple[float, float]:
+    """Adds a result: the median round's microseconds and GB/s, and every round's microseconds
+    (`us_rounds`), so that a reader can see how far apart two lines' rounds lie. Returns (us, GB/s)."""
+    us = statistics.median(rounds)
     gbps = nbytes / (us * 1e-6) / 1e9
-    RESULTS.append(dict(op=op, impl=impl, dtype=dtype, rows=rows, D=D, us=round(us, 3), GBps=round(gbps, 1)))
-    return gbps
+    RESULTS.append(dict(op=op, impl=impl, dtype=dtype, rows=rows, D=D, us=round(us, 3), GBps=round(gbps, 1),
+                        us_rounds=[round(t, 3) for t in rounds]))
+    return us, gbps
 
 
 def inputs(rows, D, dtype, seed=0):
@@ -139,15 +143,15 @@ def forward_benchmark(name, rows, x_vals, dtypes, lines, wall=False):
 def bench_forward(D, impl, rows, dtype, wall):
     x_bytes = rows * D * DTYPES[dtype].itemsize
     nbytes = 2 * x_bytes + D * DTYPES[dtype].itemsize
-    us = interleaved_wall_us(rows, D, dtype)[impl] if wall else interleaved_do_bench("rms_norm", rows, D, dtype)[impl]
-    gbps = record("rms_norm", impl, dtype, rows, D, nbytes, us)
+    rounds = interleaved_wall_us(rows, D, dtype) if wall else interleaved_do_bench("rms_norm", rows, D, dtype)
+    us, gbps = record("rms_norm", impl, dtype, rows, D, nbytes, rounds[impl])
     return us if wall else gbps
 
 
 def bench_fused(D, impl, rows, dtype, wall):
     nbytes = 4 * rows * D * DTYPES[dtype].itemsize + D * DTYPES[dtype].itemsize
-    us = interleaved_do_bench("fused_add_rms_norm", rows, D, dtype)[impl]
-    return record("fused_add_rms_norm", impl, dtype, rows, D, nbytes, us)
+    rounds = interleaved_do_bench("fused_add_rms_norm", rows, D, dtype)[impl]
+    return record("fused_add_rms_norm", impl, dtype, rows, D, nbytes, rounds)[1]
 
 
 BACKWARD = {
@@ -170,9 +174,9 @@ def fwd_bwd_step(fn, x, w, dy):
 
 
 @functools.cache
-def interleaved_do_bench(op: str, rows: int, D: int, dtype: str, rounds: int = 5) -> dict[str, float]:
+def interleaved_do_bench(op: str, rows: int, D: int, dtype: str, rounds: int = 5) -> dict[str, list]:
     """do_bench medians (L2 flushed before each call) of every line of `op` on the same inputs, in
-    interleaved rounds of 20 ms each, as for the 512-row lines: the median round per line. Drift
+    interleaved rounds of 20 ms each, as for the 512-row lines; returns each line's rounds. Drift
     over a run moves all lines of a round alike, so it no longer decides which line leads where
     they are within a few percent (item 16 of rmsnorm-notes.md)."""
     x, w = inputs(rows, D, DTYPES[dtype])
@@ -191,13 +195,13 @@ def interleaved_do_bench(op: str, rows: int, D: int, dtype: str, rounds: int = 5
         for name, fn in lines.items():
             bench = tt.do_bench_cudagraph if name.endswith("+graph") else functools.partial(tt.do_bench, warmup=5)
             times[name].append(bench(fn, rep=20, return_mode="median") * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def bench_fwd_bwd(D, impl, rows, dtype, wall):
-    us = interleaved_do_bench("fwd_bwd", rows, D, dtype)[impl]
+    rounds = interleaved_do_bench("fwd_bwd", rows, D, dtype)[impl]
     nbytes = 5 * rows * D * DTYPES[dtype].itemsize  # x twice, y, dy, dx (the issue's roofline count)
-    return record("fwd_bwd", impl, dtype, rows, D, nbytes, us)
+    return record("fwd_bwd", impl, dtype, rows, D, nbytes, rounds)[1]
 
 
 def run(benchmarks, fn, out: Path):
