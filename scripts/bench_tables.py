@@ -41,7 +41,7 @@ def gbps_tables(data) -> str:
             ours, copy = by_impl["triton"]["GBps"], by_impl["copy"]["GBps"]
             cells = [f"{by_impl[i]['GBps']:.0f}" if i in by_impl else "-" for i in FORWARD_LINES]
             name = "fused add + norm" if op != "rms_norm" else "q/k-norm" if D == 128 else "rms_norm"
-            lines.append(row([name, SHORT[dtype], f"{rows} x {D}", *cells, f"{ours / copy:.0%}", f"{ours / peak:.0%}"]))
+            lines.append(row([name, SHORT[dtype], f"{rows} x {D}", *cells, f"{ours / copy:.1%}", f"{ours / peak:.0%}"]))
     return "\n".join(lines)
 
 
