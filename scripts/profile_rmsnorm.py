@@ -57,7 +57,7 @@ def host_pieces() -> None:
     y = torch.empty_like(x)
     block_d, block_rows, warps = tri.forward_config(1024, 2, False)
     tensors, scalars = (x, x, w, y, x, y), (512, 1024, 1e-6, 512, 0, 1024, 512, 0, 1024)
-    consts, programs = (block_rows, block_d, False, False, True), 512 // block_rows
+    consts, programs = (block_rows, block_d, False, False, True, True), 512 // block_rows
     key = ("profile",)
     tri._launch(tri._forward_one_pass, key, programs, tensors, scalars, consts, warps)
     (compiled, plan), = [entry for k, entry in tri._compiled.items() if k[-1] == key]

@@ -51,8 +51,8 @@ def sweep_forward(dtype, rows, D, residual: bool, contiguous: bool = True):
 
             def launch():
                 tri._launch(tri._forward_one_pass, ("sweep", dtype), grid[0], (x, r, w, y, s, y),
-                            (rows, D, 1e-6, rows, 0, D, rows, 0, D), (block_rows, block_d, residual, False, contiguous),
-                            warps)
+                            (rows, D, 1e-6, rows, 0, D, rows, 0, D),
+                            (block_rows, block_d, residual, False, contiguous, D == block_d), warps)
 
             ms = do_bench_cudagraph(launch, rep=20, return_mode="median")
             results.append(dict(block_rows=block_rows, warps=warps, us=ms * 1e3, GBps=gbps(nbytes, ms)))
