@@ -26,8 +26,9 @@ def test_tables_report_ours_against_both_copy_rooflines(tmp_path):
     path.write_text(json.dumps(data))
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_tables.py"), str(path)],
                          capture_output=True, text=True, check=True).stdout
-    # 3600 GB/s is 95% of the same-bytes copy (3800) and 90% of the peak (4000).
-    assert "| rms_norm | bf16 | 16384 x 4096 | 3600 | - | - | - | - | - | 3800 | 95% | 90% |" in out
+    # 3600 GB/s is 94.7% of the same-bytes copy (3800): one decimal, so that a miss of the 95%
+    # target is not rounded up to it. And 90% of the peak (4000).
+    assert "| rms_norm | bf16 | 16384 x 4096 | 3600 | - | - | - | - | - | 3800 | 94.7% | 90% |" in out
     assert "| fp16 | 1024 | 26.2 | - | 15.0 |" in out
     # Roofline: 5 bf16 passes over 16384 x 4096 at 4000 GB/s = 168 us; ours 322 eager, 175 graph.
     assert "| 16384 x 4096 | 322 | 175 |" in out and out.rstrip().endswith("| 168 | 52% / 96% |")
