@@ -95,21 +95,40 @@ def wall_us_per_call(fn, calls: int = 300, rounds: int = 5) -> float:
     return statistics.median(wall_us(fn, calls) for _ in range(rounds))
 
 
-@functools.cache
-def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, list]:
-    """Microseconds per call of every forward line on the same inputs, measured in interleaved
-    rounds (each round times every line once) so that the host's drift over seconds, which moves
-    all lines alike, does not decide which one wins. Returns each line's rounds."""
+def lines_of(op: str, rows: int, D: int, dtype: str) -> dict:
+    """Every available line of `op` ("rms_norm", "fused_add_rms_norm" or "fwd_bwd") as a call
+    without arguments, all on the same fresh inputs."""
     x, w = inputs(rows, D, DTYPES[dtype])
-    lines = {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
-    for fn in lines.values():
-        for _ in range(20):
-            fn()
+    if op == "rms_norm":
+        return {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
+    if op == "fused_add_rms_norm":
+        r = torch.randn_like(x)
+        return {name: functools.partial(FUSED[name], x, r, w) for name in available(list(FUSED))}
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    dy = torch.randn_like(x)
+    return {name: fwd_bwd_step(BACKWARD[name], x, w, dy) for name in available(list(BACKWARD))}
+
+
+def in_rounds(lines: dict, rounds: int, time_line) -> dict[str, list]:
+    """Each line's time_line(name, fn) in every round, a round timing every line once: the host's
+    drift over seconds moves all lines of a round alike, so it does not decide which line leads
+    where they are within a few percent (item 16 of rmsnorm-notes.md)."""
     times = {name: [] for name in lines}
     for _ in range(rounds):
         for name, fn in lines.items():
-            times[name].append(wall_us(fn, calls))
+            times[name].append(time_line(name, fn))
     return times
+
+
+@functools.cache
+def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, list]:
+    """Microseconds per call of every forward line, `calls` calls per round, in interleaved rounds."""
+    lines = lines_of("rms_norm", rows, D, dtype)
+    for fn in lines.values():
+        for _ in range(20):
+            fn()
+    return in_rounds(lines, rounds, lambda name, fn: wall_us(fn, calls))
 
 
 def copy_bandwidth() -> float:
@@ -173,29 +192,19 @@ def fwd_bwd_step(fn, x, w, dy):
     return step
 
 
+def do_bench_us(name: str, fn) -> float:
+    """Median microseconds of 20 ms of calls: do_bench (L2 flushed before each call), or for a
+    "+graph" line do_bench_cudagraph (the calls replayed from a CUDA graph)."""
+    if name.endswith("+graph"):
+        return tt.do_bench_cudagraph(fn, rep=20, return_mode="median") * 1e3
+    return tt.do_bench(fn, warmup=5, rep=20, return_mode="median") * 1e3
+
+
 @functools.cache
 def interleaved_do_bench(op: str, rows: int, D: int, dtype: str, rounds: int = 5) -> dict[str, list]:
-    """do_bench medians (L2 flushed before each call) of every line of `op` on the same inputs, in
-    interleaved rounds of 20 ms each, as for the 512-row lines; returns each line's rounds. Drift
-    over a run moves all lines of a round alike, so it no longer decides which line leads where
-    they are within a few percent (item 16 of rmsnorm-notes.md)."""
-    x, w = inputs(rows, D, DTYPES[dtype])
-    if op == "rms_norm":
-        lines = {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
-    elif op == "fused_add_rms_norm":
-        r = torch.randn_like(x)
-        lines = {name: functools.partial(FUSED[name], x, r, w) for name in available(list(FUSED))}
-    else:
-        x.requires_grad_(True)
-        w.requires_grad_(True)
-        dy = torch.randn_like(x)
-        lines = {name: fwd_bwd_step(BACKWARD[name], x, w, dy) for name in available(list(BACKWARD))}
-    times = {name: [] for name in lines}
-    for _ in range(rounds):
-        for name, fn in lines.items():
-            bench = tt.do_bench_cudagraph if name.endswith("+graph") else functools.partial(tt.do_bench, warmup=5)
-            times[name].append(bench(fn, rep=20, return_mode="median") * 1e3)
-    return times
+    """do_bench medians of every line of `op` on the same inputs, in interleaved rounds of 20 ms
+    per line, as for the 512-row lines; returns each line's rounds."""
+    return in_rounds(lines_of(op, rows, D, dtype), rounds, do_bench_us)
 
 
 def bench_fwd_bwd(D, impl, rows, dtype, wall):

@@ -23,4 +23,3 @@ requires_cuda = pytest.mark.skipif(
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
-
