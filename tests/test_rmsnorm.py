@@ -184,7 +184,7 @@ def test_wide_rows_take_the_looped_kernel(D, dtype):
 
 @pytest.mark.parametrize("impl", KERNEL_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("D", [7, 128, 2176, 20000])
+@pytest.mark.parametrize("D", [7, 128, 1024, 2176, 4096, 8192, 20000])  # 1024-8192: the launch table's 2-32 KiB rows
 def test_fused_add_matches_hf_decoder(impl, dtype, D):
     x, residual = randn(5, D, dtype=dtype, seed=3), randn(5, D, dtype=dtype, seed=4)
     module = hf_norm(D, weight_dtype=dtype)
