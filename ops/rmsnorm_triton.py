@@ -369,10 +369,9 @@ def _register_forward(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 # Bytes of one (padded) row -> (rows per program, warps) of the one-pass kernel: the best or
 # near-best of scripts/sweep_rmsnorm.py on the H200 for the plain and the fused-add forward
 # (docs/benchmarks/rmsnorm-notes.md). Rows up to 1 KiB are packed into 2 KiB programs.
-# 8 and 16 KiB were re-swept for contiguous addressing, under which (2, 16) lost 16%. 2 KiB rows
-# take 2 per program since FULL_ROW: 1.1-1.5% ahead of 1 in three of four side-by-side probes under
-# the L2 flush, 1.1% behind in the fourth (item 18). 16 KiB rows (one-pass with a residual only)
-# take 4 rows and 16 warps: 263.7 us against (2, 8)'s 265.8 at bf16 16384 x 8192, in two processes.
+# 8 and 16 KiB were re-swept for contiguous addressing, under which (2, 16) lost 16%. The 2 KiB
+# entry and the 16 KiB one (reached only with a residual: plain 16 KiB rows are looped) come from
+# side-by-side probes under do_bench's L2 flush since FULL_ROW (item 18).
 _FORWARD_TABLE = {2048: (2, 2), 4096: (1, 4), 8192: (2, 2), 16384: (4, 16), 32768: (1, 16), 65536: (1, 16)}
 # Plain rows of 8 to 32 KiB -> (BLOCK_D, warps) of the looped kernel. Two passes, the second
 # re-reading the row from L2, beat holding the row in registers there: fp32 16384 x 2048 65.2 us
