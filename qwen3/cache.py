@@ -1,11 +1,11 @@
-"""KV cache: keys and values of every layer, preallocated for batch x max_len, filled in place.
+"""KV cache: the keys and values of every layer, written at explicit positions.
 
-Slots are shared by the batch: a step writes slot `length` of every row (left padding lines the
-rows up), and per-row rotary positions and the attention mask handle different prompt lengths.
-
-With `slot` set (a device tensor of slot indices), a step has static shapes, as a CUDA graph
-needs: it writes the slots `slot` names and attends over all of them, the model masking the
-ones past it, and the caller advances `length`.
+Row b's token at position p is stored in slot b * max_len + p of a flat slot axis, so a row's
+tokens are its first slots in order, whatever padding its prompt had, and a step attends to a
+row's slots below its own position + 1. The cache holds no lengths or modes: every write says
+where it goes (`slots`), every read how far it looks. One extra slot at the end is scratch:
+padding tokens are written there and never read. This is the flat slot mapping a paged cache
+generalizes (a block table in place of b * max_len).
 """
 
 import torch
@@ -22,13 +22,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        # torch.empty: slots past `length` are never read, so they need no zero fill.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0  # slots filled so far
-        self.slot: torch.Tensor | None = None  # static-shape steps: the slots to write (see update)
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a KV cache needs batch >= 1 and max_len >= 1, got {batch} and {max_len}")
+        shape = (n_layers, batch * max_len + 1, n_kv_heads, head_dim)  # [L, slots, K, hd]
+        # Zeros, not empty: a step captured with static shapes reads every slot of a row (masked),
+        # and an uninitialized NaN would leak through a zero attention weight.
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch, self.max_len = batch, max_len
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
@@ -36,20 +37,29 @@ class KVCache:
         weight = model.lm_head.weight
         return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, K, T, hd] at slots length..length+T of `layer`; return all slots so far.
-        A static-shape step writes at `slot` instead and returns every slot."""
-        if self.slot is not None:
-            self.k[layer].index_copy_(2, self.slot, k)
-            self.v[layer].index_copy_(2, self.slot, v)
-            return self.k[layer], self.v[layer]
-        end = self.length + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache is full: {end} tokens do not fit its {self.max_len} slots")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+    @property
+    def scratch(self) -> int:
+        return self.batch * self.max_len
 
-    def advance(self, n: int) -> None:
-        """Mark n more slots filled; called by the model after all layers have written them."""
-        self.length += n
+    def slots(self, positions: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat slots [B * T] of tokens at positions [B, T]; tokens where valid is False go to scratch."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        slots = rows * self.max_len + positions
+        if valid is not None:
+            slots = slots.masked_fill(~valid, self.scratch)
+        return slots.reshape(-1)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of one layer over the flat slot axis: [B * max_len + 1, K, hd]."""
+        return self.k[layer], self.v[layer]
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of one layer by row: [B, max_len, K, hd] (scratch left out)."""
+        shape = (self.batch, self.max_len, *self.k.shape[2:])
+        return self.k[layer, : self.scratch].view(shape), self.v[layer, : self.scratch].view(shape)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [..., K * hd or K, hd] of the tokens at flat `slots` [N] of `layer`."""
+        shape = (slots.shape[0], *self.k.shape[2:])
+        self.k[layer].index_copy_(0, slots, k.reshape(shape))
+        self.v[layer].index_copy_(0, slots, v.reshape(shape))

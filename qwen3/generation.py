@@ -1,9 +1,13 @@
-"""Prefill + decode loop with a KV cache: padded batches, per-row stopping, streaming.
+"""Prefill + decode loop over a KV cache: padded batches, per-row stopping, streaming.
 
-Prompts of different lengths come left-padded with an attention mask (1 = token, 0 = padding).
-Each row's rotary positions count its own tokens only, so a row generates what it would alone.
-On CUDA, `cuda_graph=True` captures the decode step once (after the prefill) and replays it for
-every later token: one graph launch instead of a thousand kernel launches from Python.
+Prompts of different lengths come padded (left or right) with an attention mask (1 = token,
+0 = padding). Each row's positions count its own tokens only, and its cache row holds only
+them, so a row generates what it would alone.
+
+On CUDA the decode step is captured once in a CUDA graph and replayed for every later token:
+one launch for the whole model instead of a few hundred. The host never waits for the GPU
+inside the loop, except to hand tokens to `on_token` (one step behind, while the GPU computes
+the next) and to check every few steps whether all rows have stopped.
 """
 
 from collections.abc import Callable
@@ -11,10 +15,12 @@ from collections.abc import Callable
 import torch
 
 from .cache import KVCache
+from .model import check_input_ids
 from .sampling import SamplingParams, next_token
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
 LIBRARY_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+STOP_CHECK_EVERY = 8  # decode steps between checks (each a host-device sync) that every row has stopped
 
 
 def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
@@ -28,6 +34,14 @@ def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
     return SamplingParams(**values)
 
 
+def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, config) -> list[int]:
+    """Stop ids: the caller's, else generation_config.json's, else config.json's (maybe none)."""
+    eos = eos_token_id
+    if eos is None:
+        eos = generation_config.get("eos_token_id", config.eos_token_id)
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
 def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
     """Run fn on a side stream so that every kernel it launches (Triton's included) is compiled
     and loaded before a CUDA graph captures it, as torch.cuda.graph asks."""
@@ -39,51 +53,51 @@ def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
-class GraphedDecodeStep:
-    """The model's one-token decode step, captured in a CUDA graph on first use and replayed after.
-    The step has static shapes: its inputs are copied into fixed buffers, and the KV cache writes
-    at the device-side slot `cache.slot` and attends over every slot through a mask (unwritten
-    slots are zeroed once, so masked ones hold no NaN to leak through a zero weight)."""
+class DecodeStep:
+    """One token per row through the model: ids [B, 1] at positions [B, 1] -> logits [B, V],
+    keys and values written to the cache at those positions. With `graph`, the step is captured
+    in a CUDA graph on its first call and replayed after, its inputs copied into fixed buffers
+    (the returned logits are overwritten by the next call)."""
 
-    def __init__(self, model, cache: KVCache, key_valid: torch.Tensor):
-        self.model, self.cache, self.key_valid = model, cache, key_valid
-        batch, device = key_valid.shape[0], key_valid.device
+    def __init__(self, model, cache: KVCache, graph: bool):
+        self.model, self.cache = model, cache
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.use_graph = graph
+        batch, device = cache.batch, model.lm_head.weight.device
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        cache.k[:, :, :, cache.length :].zero_()
-        cache.v[:, :, :, cache.length :].zero_()
 
     def _step(self) -> torch.Tensor:
-        logits = self.model(self.ids, self.positions, cache=self.cache, attention_mask=self.key_valid, last_only=True)
-        return logits[:, -1]
+        return self.model(self.ids, self.positions, cache=self.cache, last_only=True)[:, -1]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of the next token after ids [B, 1] at positions [B, 1], written at slot
-        cache.length. The returned tensor is overwritten by the next call."""
-        if self.cache.length >= self.cache.max_len:
-            raise ValueError(f"KV cache is full: its {self.cache.max_len} slots are all written")
-        with torch.cuda.device(self.slot.device):  # streams and the capture belong to the model's GPU
-            return self._replay(ids, positions)
-
-    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if not self.use_graph:
+            return self.model(ids, positions, cache=self.cache, last_only=True)[:, -1]
         self.ids.copy_(ids)
         self.positions.copy_(positions)
-        self.slot.fill_(self.cache.length)
-        self.cache.slot = self.slot
-        try:
-            if self.graph is None:
-                warm_up_on_a_side_stream(self._step)  # writes the same slot as the capture will
+        if self.graph is None:
+            with torch.cuda.device(self.ids.device):  # streams and the capture belong to the model's GPU
+                warm_up_on_a_side_stream(self._step)  # writes the slots the first replay writes again
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph):
                     self.logits = self._step()
-            self.graph.replay()
-        finally:
-            self.cache.slot = None
-        self.cache.advance(1)
+        self.graph.replay()
         return self.logits
+
+
+def check_padding(attention_mask: torch.Tensor) -> None:
+    """Each row must be its tokens with padding on one side: 0..0 1..1 or 1..1 0..0, never empty."""
+    ones = attention_mask.sum(1)
+    if bool((ones == 0).any()):
+        raise ValueError(f"row {int((ones == 0).nonzero()[0])} of attention_mask is all padding: nothing to continue")
+    T = attention_mask.shape[1]
+    cols = torch.arange(T, device=attention_mask.device)
+    first = (cols * attention_mask).argmax(1) - ones + 1  # first token's column if the tokens are contiguous
+    contiguous = (attention_mask == ((cols >= first[:, None]) & (cols < (first + ones)[:, None])).long()).all(1)
+    if not bool(contiguous.all()):
+        row = int((~contiguous).nonzero()[0])
+        raise ValueError(f"row {row} of attention_mask has padding between its tokens; pad on the left or the right")
 
 
 @torch.inference_mode()
@@ -91,86 +105,90 @@ def generate(
     model,
     input_ids: torch.Tensor,
     max_new_tokens: int = 32,
+    *,
     attention_mask: torch.Tensor | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     seed: int | None = None,
     on_token: Callable[[torch.Tensor], None] | None = None,
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
     **sampling,
 ) -> torch.Tensor:
     """Token ids [B, T + n]: the prompt followed by n <= max_new_tokens generated tokens.
-
-    sampling: temperature (0 = greedy), top_k, top_p, min_p, repetition_penalty, presence_penalty;
-    unset ones come from the checkpoint's generation_config.json. A row stops at its first eos
-    (ids from the argument, else the generation config, else the model config) and is padded
-    with pad_token_id (default: its eos) until every row has stopped. on_token(ids [B]) is
-    called after every step, for streaming. cuda_graph: replay decode steps from a CUDA graph
-    (CUDA only; the prefill runs eagerly).
-    """
+    See Qwen3ForCausalLM.generate for the arguments."""
     config = model.config
     gen_config = getattr(model, "generation_config", {}) or {}
     params = sampling_params(gen_config, **sampling)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
-        raise TypeError("input_ids must be a LongTensor of shape [batch, prompt_len]")
+    check_input_ids(input_ids)
     B, T = input_ids.shape
     if T == 0:
         raise ValueError("the prompt is empty: generation needs at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     if T + max_new_tokens > config.max_position_embeddings:
         raise ValueError(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{config.max_position_embeddings} tokens (max_position_embeddings)"
         )
-    if input_ids.min().item() < 0 or input_ids.max().item() >= config.vocab_size:
-        raise ValueError(f"input_ids must be token ids in [0, {config.vocab_size})")
+    check_input_ids(input_ids, config.vocab_size)
     device = model.lm_head.weight.device
+    if cuda_graph is None:
+        cuda_graph = device.type == "cuda"
     if cuda_graph and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
     input_ids = input_ids.to(device)
 
-    eos = eos_token_id if eos_token_id is not None else gen_config.get("eos_token_id", config.eos_token_id)
-    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long, device=device)
-    pad = pad_token_id if pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+    eos_ids = resolve_eos(eos_token_id, gen_config, config)
+    pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     if not 0 <= pad < config.vocab_size:
         raise ValueError(f"pad_token_id must be a token id in [0, {config.vocab_size}), got {pad}")
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
-    key_valid = torch.ones(B, T + max_new_tokens, dtype=torch.bool, device=device)
-    key_valid[:, :T] = attention_mask.to(device).bool()
-    positions = (key_valid[:, :T].long().cumsum(-1) - 1).clamp(min=0)
-    seen = torch.zeros(B, config.vocab_size, dtype=torch.bool, device=device)
-    seen.scatter_(1, input_ids.masked_fill(~key_valid[:, :T], 0), key_valid[:, :T])
+    if attention_mask is not None:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
+        attention_mask = attention_mask.to(device).long()
+        check_padding(attention_mask)
+        if bool(attention_mask.all()):
+            attention_mask = None  # no padding: the prefill takes the plain causal path
+    if max_new_tokens == 0:
+        return input_ids
+    valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: each row counts its own tokens
+    next_positions = valid.sum(1, keepdim=True)  # [B, 1]
+    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+    seen = None
+    if penalized:  # [B, V]: tokens in the prompt or generated so far
+        seen = torch.zeros(B, config.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, input_ids.masked_fill(~valid, 0), valid)
 
-    cache = KVCache.for_model(model, B, T + max_new_tokens)
-    padded = not bool(key_valid[:, :T].all())
-    tokens = [input_ids]
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    rows = torch.arange(B, device=device)
-    ids = input_ids
-    graphed = None
-    for _ in range(max_new_tokens):
-        if cuda_graph and ids.shape[1] == 1:  # a decode step: from the graph, captured on the first
-            if graphed is None:
-                graphed = GraphedDecodeStep(model, cache, key_valid)
-            logits = graphed(ids, positions)
-        else:
-            mask = key_valid[:, : cache.length + ids.shape[1]] if padded else None
-            logits = model(ids, positions, cache=cache, attention_mask=mask, last_only=True)[:, -1]
+    cache = KVCache.for_model(model, B, int(next_positions.max()) + max_new_tokens)
+    logits = model(input_ids, positions, cache=cache, attention_mask=attention_mask, last_only=True)[:, -1]
+    step = DecodeStep(model, cache, graph=cuda_graph)
+    never = torch.iinfo(torch.long).max
+    finished_at = torch.full((B,), never, dtype=torch.long, device=device)  # step at which each row stopped
+    tokens: list[torch.Tensor] = []
+
+    def choose(logits: torch.Tensor, i: int) -> torch.Tensor:
         new = next_token(logits, seen, params, generator)
-        new = torch.where(finished, torch.full_like(new, pad), new)
-        seen[rows, new] |= ~finished
-        tokens.append(new[:, None])
+        new = torch.where(finished_at < i, pad, new)  # rows already stopped are padded
+        if penalized:
+            seen[torch.arange(B, device=device), new] |= finished_at >= i
+        finished_at.masked_fill_((finished_at == never) & torch.isin(new, eos), i)
+        tokens.append(new)
+        return new
+
+    new = choose(logits, 0)
+    for i in range(1, max_new_tokens + 1):
+        if i < max_new_tokens:  # queue step i on the GPU before looking at step i - 1's token
+            new = choose(step(new[:, None], next_positions), i)
+            next_positions = next_positions + 1
         if on_token is not None:
-            on_token(new)
-        finished |= torch.isin(new, eos_ids)
-        if bool(finished.all()):
+            on_token(tokens[i - 1])
+        if (on_token is not None or i % STOP_CHECK_EVERY == 0) and bool((finished_at <= i - 1).all()):
             break
-        ids = new[:, None]
-        positions = positions[:, -1:] + 1
-    return torch.cat(tokens, dim=1)
+    n = len(tokens)
+    if bool((finished_at != never).all()):  # all stopped: the steps after the last stop are padding
+        n = int(finished_at.max()) + 1
+    return torch.cat([input_ids, torch.stack(tokens[:n], dim=1)], dim=1)

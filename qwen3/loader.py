@@ -64,7 +64,7 @@ def load_model(
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty made new tensors: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
-    params = dict(model.named_parameters())  # tied: lm_head.weight is not listed separately
+    params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
 
     # Check every key and shape before copying anything.
     shards = checkpoint_files(path)

@@ -1,17 +1,30 @@
 """Qwen3, top to bottom: RMSNorm, rotary embedding, attention, MLP, decoder layer, model, LM head.
 
-Shapes: B batch, T new tokens, S cached + new tokens, D hidden_size, H query heads,
-K key/value heads (H % K == 0: grouped-query attention), hd head_dim, V vocab_size.
-Parameter names equal Hugging Face's, so checkpoint keys map onto modules one to one.
+Shapes: B batch, T new tokens, S cache slots per row, D hidden_size, H query heads,
+K key/value heads (H % K == 0: grouped-query attention), hd head_dim, F intermediate_size,
+V vocab_size, P max_position_embeddings.
+
+Checkpoint keys are Hugging Face's. q/k/v and gate/up are each one matmul here (FusedLinear),
+whose rows the checkpoint's separate projections fill (`checkpoint_tensors`).
+
+Two paths compute the same function. The unfused path is transformers' operations one by one
+(the reference, the training path, and what runs on the CPU). The fused path, taken for Triton
+norms without autograd, runs attention's input step (q/k-norm, RoPE, cache write), the one-token
+attention and SiLU-and-multiply as single Triton kernels (ops/), so that a decode step is a few
+large kernels per layer, which a CUDA graph then replays (qwen3/generation.py).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops import IMPLS, fused_add_rms_norm, rms_norm
+from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
+from ops.decode_attention import decode_attention
+from ops.qk_norm_rope import qk_norm_rope
+from ops.silu_mul import silu_mul
 
 from .cache import KVCache
 from .config import Qwen3Config
@@ -34,8 +47,36 @@ class RMSNorm(nn.Module):
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.impl)
 
 
+class FusedLinear(nn.Linear):
+    """Projections of one input computed as one matmul: the weights (and biases) of `parts`
+    ({checkpoint name: rows}) stacked by rows in order, as q_proj/k_proj/v_proj -> qkv_proj."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool):
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = parts
+
+    def part_rows(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{part name: the rows of `param` (this module's weight or bias) that belong to it}."""
+        starts = [0, *torch.tensor(list(self.parts.values())).cumsum(0).tolist()]
+        return {name: param[start:end] for name, start, end in zip(self.parts, starts, starts[1:])}
+
+
+
+def stack_fused_parts(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook of a module with FusedLinear children: a state dict that holds
+    the parts apart (a transformers module's: q_proj, k_proj, v_proj) has them stacked into the
+    fused parameter, so `load_state_dict(hf_module.state_dict())` works."""
+    for name, child in module.named_children():
+        if isinstance(child, FusedLinear):
+            for kind in ("weight", "bias"):
+                keys = [f"{prefix}{part}.{kind}" for part in child.parts]
+                if all(key in state_dict for key in keys):
+                    state_dict[f"{prefix}{name}.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
+
+
 def rope_frequencies(config: Qwen3Config) -> tuple[torch.Tensor, float]:
-    """(inv_freq [hd/2] in fp32, attention_scaling) for plain RoPE or YaRN, as transformers computes them."""
+    """(inv_freq [hd/2] in fp32, attention_scaling) for plain RoPE or YaRN, as transformers computes
+    them. Made on the CPU whatever device the model is being built on (the meta device included)."""
     dim, base = config.head_dim, config.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     scaling = config.rope_scaling
@@ -68,28 +109,36 @@ def rope_frequencies(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin [B, T, hd] for integer positions [B, T]: fp32 angles, cast to the activations' dtype."""
+    """cos and sin of every position's angles, as fp32 tables [P, hd/2] made once per device on
+    first use, exactly as transformers computes them: angle = position * inv_freq in fp32, then
+    cos/sin times the attention scaling. Plain attributes, not buffers: they stay fp32 whatever
+    dtype the model is cast to, and are never saved."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
-        # A plain attribute, not a buffer: it must stay fp32 whatever dtype the model is cast to.
         self.inv_freq, self.attention_scaling = rope_frequencies(config)
+        self.max_positions = config.max_position_embeddings
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._tables:
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            angles = positions[:, None] * self.inv_freq.to(device)[None, :]
+            self._tables[device] = (angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling)
+        return self._tables[device]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self.inv_freq  # [B, T, hd/2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # split-halves convention: [f0..f_{n-1}, f0..f_{n-1}]
-        cos = angles.cos() * self.attention_scaling
-        sin = angles.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        """cos, sin [B, T, hd] in dtype for integer positions [B, T] (transformers' layout: halves repeated)."""
+        cos, sin = self.tables(positions.device)
+        cos, sin = cos[positions], sin[positions]
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +146,65 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclass
+class ForwardBatch:
+    """What every layer of one forward needs to know about its tokens, built once per forward
+    (`prepare_batch`): where they sit, which path computes them, what they attend to."""
+
+    positions: torch.Tensor  # [B, T] long: each token's rotary position, which is also its slot in its cache row
+    fused: bool  # the Triton kernels (inference on Triton norms) or transformers' operations one by one
+    cos: torch.Tensor  # fused: fp32 tables [P, hd/2]; unfused: [B, T, hd] in the activations' dtype
+    sin: torch.Tensor
+    slots: torch.Tensor | None  # [B * T] flat cache slot of each token (padding -> the scratch slot)
+    mask: torch.Tensor | None  # [B, 1, T, keys] bool (True = attend) for SDPA; None: causal
+    n_keys: int | None  # attend over cache slots [0, n_keys) of each row; None: over the new tokens only
+    seq_lens: torch.Tensor | None  # [B] one-token steps on the fused path: keys per row, the new one included
+
+
+def static_shapes(device: torch.device) -> bool:
+    """Whether this forward is being captured in a CUDA graph or traced by torch.compile: then
+    nothing may depend on tensor values read back to the host (no sync, no data-dependent shape)."""
+    return (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
+
+
+def prepare_batch(
+    rotary: RotaryEmbedding,
+    positions: torch.Tensor,
+    dtype: torch.dtype,
+    fused: bool,
+    cache: KVCache | None = None,
+    valid: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """The ForwardBatch of tokens at `positions` [B, T]; valid [B, T] bool marks real tokens
+    (None: all). Attention covers, for each token, its row's tokens at positions <= its own:
+    - no cache, or a cache whose rows all start at position 0: the new tokens, causal, padding
+      masked (the first prefill);
+    - one token per row on the fused path: the Triton decode kernel over each row's first
+      position + 1 slots (no mask, no host sync: a CUDA graph replays it);
+    - otherwise: cache slots [0, n_keys) through a mask. n_keys is the largest position + 1, or
+      every slot under static shapes (see static_shapes).
+    """
+    B, T = positions.shape
+    device = positions.device
+    if fused:
+        cos, sin = rotary.tables(device)
+    else:
+        cos, sin = rotary(positions, dtype)
+    slots = cache.slots(positions, valid) if cache is not None else None
+    static = static_shapes(device)
+    if cache is not None and T == 1 and fused:
+        return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1)
+    if cache is None or (not static and int(positions[:, 0].max()) == 0):
+        mask = None
+        if valid is not None:  # causal, padding keys hidden; each token sees itself, so no row is empty (NaN)
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
+        return ForwardBatch(positions, fused, cos, sin, slots, mask, None, None)
+    n_keys = cache.max_len if static else int(positions.max()) + 1
+    mask = torch.arange(n_keys, device=device) <= positions[:, :, None]  # [B, T, n_keys]
+    return ForwardBatch(positions, fused, cos, sin, slots, mask[:, None], n_keys, None)
 
 
 class Attention(nn.Module):
@@ -108,52 +216,65 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )
-        D, hd, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(D, self.n_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=bias)
+        D, H, K, hd = config.hidden_size, self.n_heads, self.n_kv_heads, config.head_dim
+        self.qkv_proj = FusedLinear(D, {"q_proj": H * hd, "k_proj": K * hd, "v_proj": K * hd}, config.attention_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=config.attention_bias)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_impl)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_impl)
+        self.register_load_state_dict_pre_hook(stack_fused_parts)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [B, T, D]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,  # [B, 1, T, S] bool (True = attend), or None for plain causal
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, K, S, hd]: everything cached so far
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
+        B, T, _ = x.shape  # [B, T, D]
+        H, K, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2K) * hd]
+        k_cache, v_cache = cache.layer(self.layer_idx) if cache is not None else (None, None)  # [B*S+1, K, hd]
+        if batch.fused:
+            q, k = qk_norm_rope(qkv.view(B * T, -1), self.q_norm.weight, self.k_norm.weight, batch.cos, batch.sin,
+                                batch.positions.reshape(-1), self.q_norm.eps, H, K, k_cache, v_cache, batch.slots)
+            q, k = q.view(B, T, H, hd), k.view(B, T, K, hd)
+        else:
+            q, k, _ = qkv.split([H * hd, K * hd, K * hd], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(B, T, H, hd)), batch.cos, batch.sin)
+            k = apply_rotary(self.k_norm(k.view(B, T, K, hd)), batch.cos, batch.sin)
+            if cache is not None:
+                cache.write(self.layer_idx, batch.slots, k, qkv[..., (H + K) * hd :])
+        v = qkv[..., (H + K) * hd :].view(B, T, K, hd)
+
+        if batch.seq_lens is not None:  # one new token per row, fused path: the split-KV kernel
+            k_rows, v_rows = cache.rows(self.layer_idx)  # [B, S, K, hd]
+            out = decode_attention(q.view(B, H, hd), k_rows, v_rows, batch.seq_lens, hd**-0.5)
+            return self.o_proj(out.view(B, T, H * hd))
+        if batch.n_keys is None:  # over the new tokens
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, K, T, hd]
+        else:  # over each row's cached slots
+            k_rows, v_rows = cache.rows(self.layer_idx)
+            k, v = k_rows[:, : batch.n_keys].transpose(1, 2), v_rows[:, : batch.n_keys].transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=mask,
-            is_causal=mask is None and T > 1,
-            scale=self.head_dim**-0.5,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            q.transpose(1, 2), k, v,  # [B, H, T, hd] against [B, K, keys, hd]
+            attn_mask=batch.mask,
+            is_causal=batch.mask is None and T > 1,
+            scale=hd**-0.5,
+            enable_gqa=K != H,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
         D, F_ = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(D, F_, bias=False)
-        self.up_proj = nn.Linear(D, F_, bias=False)
+        self.gate_up_proj = FusedLinear(D, {"gate_proj": F_, "up_proj": F_}, bias=False)
         self.down_proj = nn.Linear(F_, D, bias=False)
+        self.register_load_state_dict_pre_hook(stack_fused_parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [B, T, 2F]
+        if fused:
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -167,14 +288,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
 
-    def forward(self, h, residual, cos, sin, mask, cache=None):
+    def forward(self, h, residual, batch: ForwardBatch, cache: KVCache | None = None):
         if residual is None:
             h, residual = self.input_layernorm(h), h
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, cos, sin, mask, cache)
+        h = self.self_attn(h, batch, cache)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, batch.fused), residual
 
 
 class Qwen3Model(nn.Module):
@@ -185,36 +306,26 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids, positions, mask, cache=None) -> torch.Tensor:
+    def forward(self, input_ids, batch: ForwardBatch, cache=None, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [B, T, D] after the final norm; keep [B] (a column per row): [B, 1, D]."""
         h = self.embed_tokens(input_ids)  # [B, T, D]
-        cos, sin = self.rotary_emb(positions, h.dtype)
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, mask, cache)
+            h, residual = layer(h, residual, batch, cache)
+        if keep is not None:  # the final norm only where logits are wanted
+            rows = torch.arange(h.shape[0], device=h.device)
+            h, residual = h[rows, keep][:, None], residual[rows, keep][:, None]
         return self.norm(h, residual)[0]
 
 
-def build_attention_mask(T: int, start: int, key_valid: torch.Tensor | None, device) -> torch.Tensor | None:
-    """[B or 1, 1, T, start + T] bool mask for T new tokens at slots start.., or None for plain
-    causal attention over the new tokens only (no padding, and nothing cached or one new token)."""
-    if key_valid is None and (start == 0 or T == 1):
-        return None
-    return slot_attention_mask(torch.arange(start, start + T, device=device), start + T, key_valid)
-
-
-def slot_attention_mask(q_slots: torch.Tensor, n_slots: int, key_valid: torch.Tensor | None) -> torch.Tensor:
-    """[B or 1, 1, T, n_slots] bool mask for queries at cache slots q_slots [T]: a query sees key
-    slot j if j <= its own slot and the key is not padding. Every query sees its own slot, so a
-    padding row never attends to nothing (NaN). Built on the device from q_slots, so a replayed
-    CUDA graph follows a static-shape step's `cache.slot`."""
-    q = q_slots[:, None]
-    k = torch.arange(n_slots, device=q_slots.device)[None, :]
-    allowed = k <= q  # [T, S]
-    if key_valid is not None:
-        allowed = (allowed & key_valid[:, None, :n_slots].bool()) | (k == q)
-    else:
-        allowed = allowed[None]
-    return allowed[:, None]
+def check_input_ids(input_ids, vocab_size: int | None = None) -> None:
+    """TypeError unless a LongTensor [batch, seq_len]; with vocab_size, ValueError unless ids in range."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
+        raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
+    if vocab_size is None or not input_ids.numel():
+        return
+    if not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab_size:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -230,47 +341,85 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T] token ids
-        positions: torch.Tensor | None = None,  # [B, T] rotary positions; default 0..T-1 (+ cache length)
+        positions: torch.Tensor | None = None,  # [B, T] each token's position in its row; default 0..T-1
         cache: KVCache | None = None,
-        attention_mask: torch.Tensor | None = None,  # [B, S] 1 = token, 0 = padding, over all cache slots
-        last_only: bool = False,  # logits of the last position only (what decoding needs)
+        attention_mask: torch.Tensor | None = None,  # [B, T] 1 = token, 0 = padding
+        last_only: bool = False,  # logits of each row's last real token only (what decoding needs)
     ) -> torch.Tensor:
-        """Logits [B, T, V] (or [B, 1, V] with last_only). With a cache, the new tokens' keys and
-        values are written at the cache's next slots and attention covers everything cached; with
-        `cache.slot` set (a static-shape step, see KVCache), at those slots, attention masked past
-        them, and the caller advances the cache."""
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
-            raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
+        """Logits [B, T, V] (with last_only [B, 1, V]). With a cache, `positions` are required: each
+        token's keys and values are written to its row's slot `position`, and it attends to its
+        row's slots up to its own position (earlier steps wrote the ones before). Padding tokens
+        are written to a scratch slot and attended by no one but themselves."""
+        check_input_ids(input_ids)
         B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.max_position_embeddings:
-            raise ValueError(
-                f"{start + T} tokens exceed max_position_embeddings={self.config.max_position_embeddings}"
-            )
+        device = input_ids.device
         if positions is None:
-            positions = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        static = cache is not None and cache.slot is not None  # a static-shape step (see KVCache)
-        if static:
-            mask = slot_attention_mask(cache.slot, cache.max_len, attention_mask)
-        else:
-            mask = build_attention_mask(T, start, attention_mask, input_ids.device)
-        h = self.model(input_ids, positions, mask, cache)
-        if cache is not None and not static:
-            cache.advance(T)
-        if last_only:
-            h = h[:, -1:]
-        return self.lm_head(h)
+            if cache is not None:
+                raise ValueError("with a cache, pass positions: each token's position in its row")
+            if T > self.config.max_position_embeddings:
+                raise ValueError(f"{T} positions exceed max_position_embeddings={self.config.max_position_embeddings}")
+            positions = torch.arange(T, device=device).expand(B, T)
+        elif positions.shape != (B, T) or positions.dtype != torch.long:
+            raise ValueError(f"positions must be a LongTensor shaped like input_ids {(B, T)}")
+        elif T and not static_shapes(device):  # a captured or compiled step's caller owns its bounds
+            top, limit = int(positions.max()), self.config.max_position_embeddings
+            if top >= limit:
+                raise ValueError(f"{top + 1} positions exceed max_position_embeddings={limit}")
+            if cache is not None and top >= cache.max_len:
+                raise ValueError(f"KV cache is full: position {top} does not fit its {cache.max_len} slots per row")
+            if int(positions.min()) < 0:
+                raise ValueError("positions must be >= 0")
+        valid = None
+        if attention_mask is not None:
+            if attention_mask.shape != (B, T):
+                raise ValueError(f"attention_mask must be shaped like input_ids {(B, T)}")
+            valid = attention_mask.to(device=device, dtype=torch.bool)
+        impl = resolve_impl(self.config.norm_impl, device)
+        fused = impl == "triton" and not torch.is_grad_enabled()
+        dtype = self.model.embed_tokens.weight.dtype
+        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid)
+        keep = None
+        if last_only and T > 1:  # each row's last real token: the last column, or before right padding
+            keep = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)
+        return self.lm_head(self.model(input_ids, batch, cache, keep))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """{Hugging Face checkpoint key: the parameter, or the rows of a fused one, it fills}. The
+        loader copies each checkpoint tensor into its entry; saving these gives a HF checkpoint."""
+        fused = {name: module for name, module in self.named_modules() if isinstance(module, FusedLinear)}
+        tensors = {}
+        for name, param in self.named_parameters():  # tied weights are listed once
+            module, _, kind = name.rpartition(".")
+            if module in fused:
+                parent = module.rpartition(".")[0]
+                for part, rows in fused[module].part_rows(param).items():
+                    tensors[f"{parent}.{part}.{kind}"] = rows
+            else:
+                tensors[name] = param
+        return tensors
 
     @classmethod
     def from_pretrained(
         cls,
         path,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         norm_impl: str | None = None,
         progress: bool = True,
     ) -> "Qwen3ForCausalLM":
-        """Load a Hugging Face Qwen3 checkpoint directory (see qwen3/loader.py)."""
+        """Load a Hugging Face Qwen3 checkpoint directory (config.json, model.safetensors or a
+        sharded model.safetensors.index.json, optionally generation_config.json).
+
+        dtype: a torch dtype or its name ("bfloat16", "float32", "float16"); None: see
+            qwen3.loader.load_model for the default.
+        device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device).
+        norm_impl: "auto" | "torch" | "triton" | "cuda": the RMSNorm implementation of every norm
+            ("auto": triton on CUDA, torch elsewhere; default: the config's, else "auto").
+        progress: a progress bar while loading takes long.
+
+        Every tensor's name and shape is checked against the config before anything is copied;
+        a mismatch raises a ValueError naming the file and the tensor.
+        """
         from .loader import load_model
 
         return load_model(path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress)
@@ -284,8 +433,43 @@ class Qwen3ForCausalLM(nn.Module):
                 module.impl = impl
         self.config.norm_impl = impl
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
-        """Token ids [B, T + new] (see qwen3/generation.py for sampling, padding and stopping)."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+        on_token=None,
+        cuda_graph: bool | None = None,
+    ) -> torch.Tensor:
+        """Token ids [B, T + n]: each prompt row followed by its n <= max_new_tokens new tokens.
+
+        input_ids [B, T]: prompts, padded on the left or the right when their lengths differ,
+            with attention_mask [B, T] (1 = token, 0 = padding). Each row generates what it would
+            alone.
+        temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off),
+        repetition_penalty (1 = off), presence_penalty (0 = off): sampling, applied in
+            transformers' order; unset ones come from the checkpoint's generation_config.json,
+            else temperature 1 and the rest off.
+        eos_token_id: stop ids (default: generation_config's, else the config's). A row stops at
+            its first; it is padded with pad_token_id (default: the first eos id) until all stop.
+        seed: reproducible sampling.
+        on_token: called with the new ids [B] of each step, in order, for streaming.
+        cuda_graph: replay the decode step from a CUDA graph (default: on for CUDA, off otherwise).
+        """
         from .generation import generate
 
-        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+        return generate(
+            self, input_ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature, top_k=top_k,
+            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed, on_token=on_token, cuda_graph=cuda_graph,
+        )

@@ -1,20 +1,26 @@
-"""Decode speed of ours against transformers' generate on the same checkpoint, in one process.
+"""Decode speed of ours against transformers on the same random-weight model, in one process.
 
-    python scripts/bench_generate.py --config 0.6b --device cpu --dtype float32 --new 64
-    python scripts/bench_generate.py --model /tmp/parity/Qwen3-8B --device cuda --dtype bfloat16
+    python scripts/bench_generate.py --models 0.6b 8b --batches 1 8 32 64 --json docs/benchmarks/decode-h200.json
 
-Greedy, batch 1, a random prompt; reports prefill ms, decode tokens/s and the weight bytes moved
-per second (parameter bytes x decode tokens/s), for both, and checks they chose the same tokens.
-On CUDA ours also runs with its decode steps replayed from a CUDA graph ("ours+cuda_graph"; its
-rate leaves out the first decode step, which captures the graph).
+For each model (the real Qwen3 architectures, transformers' random init, bf16, built on the
+device: nothing is downloaded or written to disk) and each batch size: a random prompt of
+--prompt tokens per row, --new greedy tokens, no stop token. Engines:
+  ours               model.generate as a user calls it (on CUDA: decode steps from a CUDA graph)
+  ours_eager         the same with cuda_graph=False
+  hf_eager           transformers' generate (SDPA attention, dynamic cache)
+  hf_static_compile  transformers' generate with cache_implementation="static" (compiled forward)
+decode_tok_s = rows x decode steps / time, leaving out the prefill (ours: from the timestamps of
+the streamed tokens, leaving out the first decode step, which captures the graph; transformers:
+total time minus a prefill-only run's); prefill_ms = time to the first token. hbm_fraction =
+weight bytes x decode steps per second / the measured copy bandwidth (weights only: at large
+batches the KV cache adds reads this leaves out). Also times a --long-prompt-token prefill of
+ours against transformers' (SDPA).
 """
 
 import argparse
 import datetime
-import functools
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,9 +28,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from qwen3 import Qwen3ForCausalLM  # noqa: E402
+from qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-CONFIGS = {  # the real Qwen3 architectures, with transformers' random init
+CONFIGS = {  # the real Qwen3 architectures
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
                  max_position_embeddings=40960, rope_theta=1_000_000.0),
@@ -34,80 +40,155 @@ CONFIGS = {  # the real Qwen3 architectures, with transformers' random init
 }
 
 
-def sync(device):
-    if device.type == "cuda":
+def sync():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def time_ours(model, ids, new, device, cuda_graph=False):
+def copy_bandwidth_GBps(device) -> float:
+    """Device-to-device copy of 1 GiB, bytes read + written per second (median of 20)."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(2**29, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * x.numel() * 2 / sorted(times[5:])[len(times[5:]) // 2] / 1e9
+
+
+def build(name: str, device, dtype, norm: str):
+    """(transformers model, ours) with the same random weights, both on the device."""
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3Config(**CONFIGS[name])
+    with torch.device(device):
+        hf = transformers.Qwen3ForCausalLM(hf_config).to(dtype).eval()
+    config = Qwen3Config.from_dict(hf_config.to_dict(), norm_impl=norm)
+    with torch.device("meta"):
+        ours = Qwen3ForCausalLM(config).to(dtype)
+    ours.to_empty(device=device)
+    if config.tie_word_embeddings:
+        ours.lm_head.weight = ours.model.embed_tokens.weight
+    weights = hf.state_dict()
+    with torch.no_grad():
+        for key, tensor in ours.checkpoint_tensors().items():
+            tensor.copy_(weights[key])
+    return hf, ours.eval()
+
+
+def time_ours(model, ids, new, cuda_graph):
+    """(prefill ms, decode steps per second) of one greedy generate call."""
     stamps = []
+    sync()
     start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new, temperature=0.0, eos_token_id=[], cuda_graph=cuda_graph,
-                         on_token=lambda t: stamps.append(time.perf_counter()))
-    first = 2 if cuda_graph else 1  # a graphed run captures its graph during its first decode step
-    return out, (stamps[0] - start) * 1e3, (len(stamps) - first) / (stamps[-1] - stamps[first - 1])
+    model.generate(ids, max_new_tokens=new, temperature=0.0, eos_token_id=[], cuda_graph=cuda_graph,
+                   on_token=lambda t: (t.tolist(), stamps.append(time.perf_counter())))
+    first = 2  # the first decode step captures the graph (or, eagerly, warms up): leave it out
+    return (stamps[0] - start) * 1e3, (len(stamps) - 1 - first) / (stamps[-1] - stamps[first])
 
 
-def time_hf(model, ids, new, device):
+def time_hf(model, ids, new, **kwargs):
     def run(n):
-        sync(device)
+        sync()
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-        sync(device)
-        return out, time.perf_counter() - start
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0, **kwargs)
+        sync()
+        return time.perf_counter() - start
 
-    _, prefill = run(1)
-    out, total = run(new)
-    return out, prefill * 1e3, (new - 1) / (total - prefill)
+    prefill = run(1)
+    total = run(new)
+    return prefill * 1e3, (new - 1) / (total - prefill)
+
+
+def time_prefill(fn, repeats=5) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="an existing checkpoint directory")
-    p.add_argument("--config", choices=list(CONFIGS), help="or build a random-weight checkpoint at this config")
-    p.add_argument("--commit", default="unknown")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--models", nargs="+", default=["0.6b"], choices=list(CONFIGS))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    p.add_argument("--engines", nargs="+", default=["ours", "ours_eager", "hf_eager", "hf_static_compile"])
+    p.add_argument("--hf-batches", nargs="+", type=int, default=None,
+                   help="batch sizes at which transformers runs (default: all; its compile takes ~1 min each)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=256)
+    p.add_argument("--long-prompt", type=int, default=2048, help="prefill-only comparison (0: skip)")
     p.add_argument("--norm", default="auto")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--json", type=Path, help="write (or extend, replacing rows of the same key) this file")
     args = p.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    path = args.model
-    if path is None:
-        path = Path(tempfile.mkdtemp()) / f"qwen3-{args.config}-random"
-        torch.manual_seed(0)
-        with torch.device(device):
-            built = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIGS[args.config])).to(dtype)
-        built.save_pretrained(path)
-        del built
-    ours = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, device=device, norm_impl=args.norm, progress=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-    ids = torch.randint(0, ours.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
-    with torch.inference_mode():
-        time_ours(ours, ids, 4, device), time_hf(hf, ids, 4, device)  # warm up both
-        results = {}
-        runs = [("ours", time_ours, ours), ("transformers", time_hf, hf)]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    copy = copy_bandwidth_GBps(device)
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
+    results, prefills = [], []
+    for name in args.models:
+        hf, ours = build(name, device, dtype, args.norm)
+        weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
+        gen = torch.Generator().manual_seed(0)
+        for batch in args.batches:
+            ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+            for engine in args.engines:
+                if engine.startswith("hf") and args.hf_batches and batch not in args.hf_batches:
+                    continue
+                if engine == "ours_eager" and batch not in (args.hf_batches or args.batches):
+                    continue
+                with torch.inference_mode():
+                    if engine.startswith("ours"):
+                        graph = engine == "ours" and device.type == "cuda"
+                        time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks kernels
+                        prefill_ms, steps = time_ours(ours, ids, args.new, graph)
+                    else:
+                        kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
+                        time_hf(hf, ids, 8, **kwargs)  # warm up (compiles the static-cache forward)
+                        prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
+                row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
+                           decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
+                           weight_GB=round(weight_bytes / 1e9, 3),
+                           hbm_fraction=round(weight_bytes * steps / 1e9 / copy, 3))
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        if args.long_prompt:
+            ids = torch.randint(0, ours.config.vocab_size, (1, args.long_prompt), generator=gen).to(device)
+            with torch.inference_mode():
+                mask = torch.ones_like(ids)
+                row = dict(model=f"qwen3-{name}", prompt=args.long_prompt,
+                           ours_ms=round(time_prefill(lambda: ours(ids, last_only=True)), 2),
+                           hf_sdpa_ms=round(time_prefill(lambda: hf(ids, attention_mask=mask, logits_to_keep=1)), 2))
+            prefills.append(row)
+            print(json.dumps(row), flush=True)
+        hf = ours = None  # free this model's memory before the next is built
         if device.type == "cuda":
-            runs.append(("ours+cuda_graph", functools.partial(time_ours, cuda_graph=True), ours))
-        for name, timer, model in runs:
-            out, prefill_ms, tok_s = timer(model, ids, args.new, device)
-            results[name] = dict(prefill_ms=round(prefill_ms, 1), decode_tok_s=round(tok_s, 1),
-                                 decode_GBps=round(weight_bytes * tok_s / 1e9, 1), tokens=out[0].tolist())
-    tokens = {name: result.pop("tokens") for name, result in results.items()}
-    same = tokens["ours"] == tokens["transformers"]
-    graph_same = tokens["ours+cuda_graph"] == tokens["ours"] if "ours+cuda_graph" in tokens else None
-    summary = dict(date=datetime.date.today().isoformat(), commit=args.commit, model=str(path.name),
-                   device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   dtype=args.dtype, prompt=args.prompt, new=args.new, norm=ours.config.norm_impl,
-                   weight_GB=round(weight_bytes / 1e9, 3), same_tokens=same, cuda_graph_same_tokens=graph_same,
-                   versions=dict(torch=torch.__version__, transformers=transformers.__version__), **results)
-    print(json.dumps(summary, indent=1))
+            torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+        summary = dict(date=datetime.date.today().isoformat(), commit=args.commit,
+                       gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       copy_GBps=round(copy, 1),
+                       versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                                     triton=getattr(sys.modules.get("triton"), "__version__", None)),
+                       results=results, prefill=prefills)
+        if args.json.exists():  # keep rows of other models/engines from an earlier run
+            old = json.loads(args.json.read_text())
+            key = lambda r: (r["model"], r["engine"], r["batch"], r.get("tp", 1))  # noqa: E731
+            fresh = {key(r) for r in results}
+            summary["results"] = [r for r in old.get("results", []) if key(r) not in fresh] + results
+            fresh_prefill = {r["model"] for r in prefills}
+            summary["prefill"] = [r for r in old.get("prefill", []) if r["model"] not in fresh_prefill] + prefills
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ def export(model, tok, out: Path, card: str) -> None:
     config.architectures = ["Qwen3ForCausalLM"]
     config.dtype = "bfloat16"
     config.save_pretrained(out)
-    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous() for k, v in model.state_dict().items()
-             if k != "lm_head.weight"}  # tied to the embedding
+    state = {k: v.detach().to(torch.bfloat16).cpu().contiguous()
+             for k, v in model.checkpoint_tensors().items()}  # HF keys; the tied head is listed once
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT)
     wrapped.model_max_length = ARCH["max_position_embeddings"]

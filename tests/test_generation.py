@@ -45,60 +45,100 @@ def test_greedy_equals_transformers_single(models):
     assert torch.equal(actual, expected)
 
 
-def test_greedy_equals_transformers_batched_left_padded(models):
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_greedy_equals_transformers_batched_left_padded(models, norm_impl):
     reference, ours = models
     rows = prompts([5, 12, 1, 8], reference.config.vocab_size, seed=1)
     ids, mask = left_pad(rows)
     expected = hf_greedy(reference, ids, mask)
-    actual = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    ours.set_norm_impl(norm_impl)
+    try:
+        actual = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, temperature=0.0)
+    finally:
+        ours.set_norm_impl("auto")
     assert torch.equal(actual, expected)
     for i, row in enumerate(rows):  # each row is what that prompt generates alone
         alone = ours.generate(torch.tensor([row], device=DEVICE), max_new_tokens=NEW_TOKENS, temperature=0.0)
         assert torch.equal(actual[i, ids.shape[1]:], alone[0, len(row):])
 
 
-def test_cached_logits_equal_the_full_forward_at_every_step(models):
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_cached_logits_equal_the_full_forward_at_every_step(models, norm_impl):
+    """Prefill 10 tokens, then one at a time, at explicit positions: each step's logits equal the
+    no-cache forward's, on the unfused path (torch) and the fused one (Triton kernels)."""
     _, ours = models
+    ours.set_norm_impl(norm_impl)
     ids = torch.tensor(prompts([30], ours.config.vocab_size, seed=2), device=DEVICE)
-    with torch.no_grad():
-        full = ours(ids)
-        cache = KVCache.for_model(ours, batch=1, max_len=30)
-        pieces = [ours(ids[:, :10], cache=cache)]  # prefill 10, then one token at a time
-        pieces += [ours(ids[:, t : t + 1], cache=cache) for t in range(10, 30)]
+    positions = torch.arange(30, device=DEVICE)[None]
+    try:
+        with torch.no_grad():
+            full = ours(ids)
+            cache = KVCache.for_model(ours, batch=1, max_len=30)
+            pieces = [ours(ids[:, :10], positions[:, :10], cache=cache)]
+            pieces += [ours(ids[:, t : t + 1], positions[:, t : t + 1], cache=cache) for t in range(10, 30)]
+            with pytest.raises(ValueError, match="KV cache is full"):
+                ours(ids[:, :1], positions[:, :1] + 30, cache=cache)
+    finally:
+        ours.set_norm_impl("auto")
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
-    assert cache.length == 30
-    with pytest.raises(ValueError, match="KV cache is full"), torch.no_grad():
-        ours(ids[:, :1], cache=cache)
 
 
-def test_static_shape_steps_equal_slicing_steps_on_a_padded_batch(models):
-    """The decode step a CUDA graph replays (KVCache.slot set: it writes at a device-side slot and
-    attends over every slot through a mask) against the usual step, which slices the cache, after
-    the same left-padded prefill. Slots not yet written are zeroed, as GraphedDecodeStep does."""
+def test_continuing_a_cache_with_several_tokens_at_once(models):
+    """A second chunk of several tokens after a first (a chat's next turn): it attends to the
+    cached chunk through the cache, in rows of different lengths, as the no-cache forward does."""
     _, ours = models
-    ids, mask = left_pad(prompts([5, 9], ours.config.vocab_size, seed=6))
-    B, T, new = *ids.shape, 6
-    key_valid = torch.ones(B, T + new, dtype=torch.bool, device=DEVICE)
-    key_valid[:, :T] = mask.bool()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    slicing, static = (KVCache.for_model(ours, B, T + new) for _ in range(2))
+    rows = prompts([7, 4], ours.config.vocab_size, seed=9)
+    more = prompts([5, 5], ours.config.vocab_size, seed=10)
+    ids, mask = left_pad(rows)
+    cache = KVCache.for_model(ours, batch=2, max_len=12)
     with torch.no_grad():
-        for cache in (slicing, static):
-            ours(ids, positions, cache=cache, attention_mask=key_valid[:, :T])
-        static.k[:, :, :, T:].zero_()
-        static.v[:, :, :, T:].zero_()
-        step_ids, step_positions = ids[:, -1:], positions[:, -1:]
-        for _ in range(new):
-            step_positions = step_positions + 1
-            expected = ours(step_ids, step_positions, cache=slicing,
-                            attention_mask=key_valid[:, : slicing.length + 1], last_only=True)
-            static.slot = torch.tensor([static.length], device=DEVICE)
-            actual = ours(step_ids, step_positions, cache=static, attention_mask=key_valid, last_only=True)
-            static.slot = None
-            static.advance(1)
-            torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
-            step_ids = expected[:, -1].argmax(-1, keepdim=True)
-    assert static.length == slicing.length == T + new
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ours(ids, positions, cache=cache, attention_mask=mask)
+        lengths = mask.sum(1, keepdim=True)
+        chunk = ours(torch.tensor(more, device=DEVICE), lengths + torch.arange(5, device=DEVICE), cache=cache)
+        for i in range(2):
+            whole = ours(torch.tensor([rows[i] + more[i]], device=DEVICE))
+            torch.testing.assert_close(chunk[i], whole[0, len(rows[i]) :], rtol=LOGITS_FP32_RTOL,
+                                       atol=LOGITS_FP32_ATOL)
+
+
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_right_padded_batch_generates_each_row_as_alone(models, norm_impl):
+    """A tokenizer pads on the right by default: each row continues from its last real token."""
+    _, ours = models
+    ours.set_norm_impl(norm_impl)
+    rows = prompts([5, 12, 1], ours.config.vocab_size, seed=7)
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=DEVICE)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=DEVICE)
+    try:
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, eos_token_id=[])
+        for i, row in enumerate(rows):
+            alone = ours.generate(torch.tensor([row], device=DEVICE), max_new_tokens=12, temperature=0.0,
+                                  eos_token_id=[])
+            assert torch.equal(out[i, width:], alone[0, len(row):])
+    finally:
+        ours.set_norm_impl("auto")
+
+
+def test_padding_between_tokens_or_an_empty_row_is_refused(models):
+    _, ours = models
+    ids = torch.ones(2, 4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="row 1 of attention_mask has padding between its tokens"):
+        ours.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]], device=DEVICE))
+    with pytest.raises(ValueError, match="row 0 of attention_mask is all padding"):
+        ours.generate(ids, attention_mask=torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]], device=DEVICE))
+
+
+def test_on_token_streams_exactly_the_returned_tokens(models):
+    _, ours = models
+    ids, mask = left_pad(prompts([4, 7], ours.config.vocab_size, seed=3))
+    free = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0)
+    eos = int(free[0, ids.shape[1] + 2])
+    streamed = []
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, temperature=0.0, eos_token_id=eos,
+                        on_token=lambda t: streamed.append(t.tolist()))
+    assert torch.tensor(streamed, device=DEVICE).T.tolist() == out[:, ids.shape[1]:].tolist()
 
 
 @requires_cuda
@@ -108,6 +148,23 @@ def test_cuda_graph_decoding_equals_transformers_batched_left_padded(models):
     expected = hf_greedy(reference, ids, mask)
     actual = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, temperature=0.0, cuda_graph=True)
     assert torch.equal(actual, expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm_impl", ["triton", "torch"])
+def test_graphed_decoding_equals_eager_decoding_in_fp32(models, norm_impl):
+    """The default on CUDA (decode steps replayed from a CUDA graph) chooses the same tokens as
+    the eager loop, on the fused path and the unfused one."""
+    _, ours = models
+    ours.set_norm_impl(norm_impl)
+    ids, mask = left_pad(prompts([5, 30, 17], ours.config.vocab_size, seed=12))
+    try:
+        graphed = ours.generate(ids, attention_mask=mask, max_new_tokens=60, temperature=0.0, eos_token_id=[])
+        eager = ours.generate(ids, attention_mask=mask, max_new_tokens=60, temperature=0.0, eos_token_id=[],
+                              cuda_graph=False)
+    finally:
+        ours.set_norm_impl("auto")
+    assert torch.equal(graphed, eager)
 
 
 def test_stops_per_row_at_eos_and_pads(models):

@@ -1,0 +1,143 @@
+"""Attention of one new token per row over that row's cached keys: split-KV (flash-decoding).
+
+    out = decode_attention(q, k_cache, v_cache, seq_lens, scale)
+
+q [B, H, hd]; k_cache, v_cache [B, S, K, hd] with H a multiple of K (grouped-query attention);
+row b attends over its first seq_lens[b] cached positions (the new token's included), and
+nothing past them is read, so a step costs what the row holds, not what the cache could hold.
+seq_lens lives on the device, so one captured CUDA graph serves every decode step.
+
+Each program takes one row, one key/value head and one of `splits` slices of the row's keys,
+with the H / K query heads that share that key/value head as the rows of its matrix products
+(padded to 16, the smallest tl.dot); a second kernel merges the slices by their log-sum-exp.
+Splitting fills the GPU when batch x K is small; the slice length follows seq_lens on the device.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_helpers import dot
+
+__all__ = ["decode_attention", "num_splits"]
+
+BLOCK_N = 64  # keys per inner step
+TARGET_PROGRAMS = 256  # about two waves of the H200's 132 SMs
+
+
+def num_splits(batch: int, n_kv_heads: int, max_len: int) -> int:
+    """Slices per row: enough programs to fill the GPU, no more slices than key blocks."""
+    return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), triton.cdiv(max_len, BLOCK_N)))
+
+
+@triton.jit
+def _split_kernel(
+    Q, K, V, SEQ_LENS, O_PART, LSE_PART,
+    scale, stride_kb, stride_ks,
+    N_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_HD)
+    g_ok, d_ok = g < GROUP, d < HD
+    heads = kv * GROUP + g
+    q = tl.load(Q + (b * N_KV * GROUP + heads[:, None]) * HD + d[None, :], mask=g_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
+    row_k = K + b * stride_kb + kv * HD
+    row_v = V + b * stride_kb + kv * HD
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(row_k + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), FP32)
+        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        v = tl.load(row_v + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32)
+        m = m_new
+    # An empty slice (past the row's length) leaves lse = -inf: the merge gives it no weight.
+    out = acc / tl.maximum(denom, 1e-30)[:, None]
+    lse = tl.where(denom > 0, m + tl.log(tl.maximum(denom, 1e-30)), float("-inf"))
+    part = (b * N_KV * GROUP + heads) * SPLITS + split
+    tl.store(O_PART + part[:, None] * HD + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(LSE_PART + part, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(O_PART, LSE_PART, OUT, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HD: tl.constexpr,
+                  BLOCK_HD: tl.constexpr):
+    row_head = tl.program_id(0).to(tl.int64)  # b * H + h
+    sp = tl.arange(0, BLOCK_SPLITS)
+    d = tl.arange(0, BLOCK_HD)
+    sp_ok, d_ok = sp < SPLITS, d < HD
+    lse = tl.load(LSE_PART + row_head * SPLITS + sp, mask=sp_ok, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, axis=0))  # the first slice is never empty: max is finite
+    parts = tl.load(O_PART + (row_head * SPLITS + sp[:, None]) * HD + d[None, :],
+                    mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)
+    tl.store(OUT + row_head * HD + d, out.to(OUT.dtype.element_ty), mask=d_ok)
+
+
+@torch.library.custom_op("qwen3_ops::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float, splits: int) -> torch.Tensor:
+    B, H, hd = q.shape
+    K = k_cache.shape[2]
+    out = torch.empty_like(q)
+    o_part = torch.empty(B, H, splits, hd, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    group = H // K
+    block_hd = triton.next_power_of_2(hd)
+    _split_kernel[(B, K, splits)](
+        q, k_cache, v_cache, seq_lens, o_part, lse_part, scale, k_cache.stride(0), k_cache.stride(1),
+        N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
+        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, num_warps=4,
+    )
+    _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
+                            HD=hd, BLOCK_HD=block_hd, num_warps=1)
+    return out
+
+
+@_decode_attention_op.register_fake
+def _(q, k_cache, v_cache, seq_lens, scale, splits):
+    return torch.empty_like(q)
+
+
+def _check(q, k_cache, v_cache, seq_lens) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"q must be [B, H, hd] and the caches [B, S, K, hd], got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    B, H, hd = q.shape
+    if k_cache.shape[0] != B or k_cache.shape[3] != hd or H % k_cache.shape[2]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)} (H a multiple of K)")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.stride()[2:] != (hd, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("each cached position must hold its K x hd values contiguously")
+    if seq_lens.shape != (B,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be an integer tensor [B={B}], got {tuple(seq_lens.shape)}")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """[B, H, hd]: softmax(q k^T * scale) v over each row's first seq_lens[b] keys (1 <= seq_lens[b]
+    <= S; the caller guarantees it: the kernel reads no further than S either way)."""
+    _check(q, k_cache, v_cache, seq_lens)
+    splits = num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1])
+    return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens.clamp(1, k_cache.shape[1]),
+                                float(scale), splits)

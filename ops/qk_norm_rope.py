@@ -1,0 +1,140 @@
+"""Attention's input step in one kernel: q/k RMSNorm, rotary embedding and the KV-cache write.
+
+    q, k = qk_norm_rope(qkv, q_weight, k_weight, cos, sin, positions, eps, n_heads, n_kv_heads,
+                        k_cache, v_cache, slots)
+
+qkv [N, (H + 2K) * hd] is the fused q/k/v projection of N tokens. Each q head and k head is
+normalized (Qwen3's QK-norm, Hugging Face's Qwen3RMSNorm arithmetic) and rotated by its token's
+position; q [N, H, hd] and k [N, K, hd] are returned, and k and v are written to the cache's
+slot `slots[n]` ([n_slots, K, hd] per layer). Without a cache nothing is written.
+
+Rounding follows transformers op for op, so bf16 results are the bits its modules give: the
+normalized row is rounded to the input dtype before the weight multiply; cos and sin (fp32
+tables, as transformers computes them) are rounded to the dtype; each product of `q * cos +
+rotate_half(q) * sin` and their sum are rounded, as each 16-bit torch op rounds its result.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_helpers import round_to
+
+__all__ = ["qk_norm_rope"]
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    QKV, QW, KW, COS, SIN, POS, SLOTS, Q_OUT, K_OUT, K_CACHE, V_CACHE,
+    n_slots, eps,
+    N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_CACHE: tl.constexpr,
+):
+    """One program per (token, head) of the H + 2K heads: q and k heads are normalized, rotated
+    and stored (k also to the cache); v heads are copied to the cache."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HD // 2
+    dtype = QKV.dtype.element_ty
+    cols = tl.arange(0, BLOCK_HALF)
+    ok = cols < HALF
+    src = QKV + token * (N_HEADS + 2 * N_KV) * HD + head * HD
+    x1 = tl.load(src + cols, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF + cols, mask=ok, other=0.0)
+    slot = 0
+    if HAS_CACHE:
+        # The caller checks positions against the cache; clamping keeps any slip inside it.
+        slot = tl.minimum(tl.maximum(tl.load(SLOTS + token), 0), n_slots - 1)
+    if head < N_HEADS + N_KV:
+        if head < N_HEADS:
+            w1 = tl.load(QW + cols, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(QW + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+        else:
+            w1 = tl.load(KW + cols, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(KW + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+        y1 = round_to(round_to(x1 * rstd, dtype).to(tl.float32) * w1, dtype).to(tl.float32)
+        y2 = round_to(round_to(x2 * rstd, dtype).to(tl.float32) * w2, dtype).to(tl.float32)
+        pos = tl.load(POS + token)
+        c = round_to(tl.load(COS + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)
+        s = round_to(tl.load(SIN + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)
+        # [y1, y2] * cos + [-y2, y1] * sin, every product and sum rounded as torch rounds it.
+        out1 = round_to(round_to(y1 * c, dtype).to(tl.float32) + round_to(-y2 * s, dtype).to(tl.float32), dtype)
+        out2 = round_to(round_to(y2 * c, dtype).to(tl.float32) + round_to(y1 * s, dtype).to(tl.float32), dtype)
+        if head < N_HEADS:
+            dst = Q_OUT + (token * N_HEADS + head) * HD
+        else:
+            dst = K_OUT + (token * N_KV + head - N_HEADS) * HD
+        tl.store(dst + cols, out1, mask=ok)
+        tl.store(dst + HALF + cols, out2, mask=ok)
+        if HAS_CACHE and head >= N_HEADS:
+            dst = K_CACHE + (slot * N_KV + head - N_HEADS) * HD
+            tl.store(dst + cols, out1, mask=ok)
+            tl.store(dst + HALF + cols, out2, mask=ok)
+    elif HAS_CACHE:
+        dst = V_CACHE + (slot * N_KV + head - N_HEADS - N_KV) * HD
+        tl.store(dst + cols, x1, mask=ok)
+        tl.store(dst + HALF + cols, x2, mask=ok)
+
+
+@torch.library.custom_op("qwen3_ops::qk_norm_rope", mutates_args=("k_cache", "v_cache"))
+def _qk_norm_rope_op(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, eps: float, n_heads: int, n_kv_heads: int,
+    k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, slots: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    N, hd = qkv.shape[0], q_weight.shape[0]
+    q = torch.empty(N, n_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(N, n_kv_heads, hd, dtype=qkv.dtype, device=qkv.device)
+    has_cache = k_cache is not None
+    if N:
+        _qk_norm_rope_kernel[(N, n_heads + 2 * n_kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, positions, slots if has_cache else positions, q, k,
+            k_cache if has_cache else q, v_cache if has_cache else q,
+            k_cache.shape[0] if has_cache else 1, eps,
+            N_HEADS=n_heads, N_KV=n_kv_heads, HD=hd, BLOCK_HALF=triton.next_power_of_2(hd // 2),
+            HAS_CACHE=has_cache, num_warps=1,
+        )
+    return q, k
+
+
+@_qk_norm_rope_op.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, positions, eps, n_heads, n_kv_heads, k_cache, v_cache, slots):
+    N, hd = qkv.shape[0], q_weight.shape[0]
+    return qkv.new_empty(N, n_heads, hd), qkv.new_empty(N, n_kv_heads, hd)
+
+
+def _check(qkv, q_weight, k_weight, cos, sin, positions, n_heads, n_kv_heads, k_cache, v_cache, slots) -> None:
+    hd = q_weight.shape[0] if q_weight.dim() == 1 else -1
+    if qkv.dim() != 2 or hd < 2 or hd % 2 or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * hd:
+        raise ValueError(f"qkv must be [N, (n_heads + 2 * n_kv_heads) * head_dim], got {tuple(qkv.shape)} "
+                         f"for {n_heads} + 2 x {n_kv_heads} heads of a {tuple(q_weight.shape)} q_norm weight")
+    if k_weight.shape != q_weight.shape or q_weight.dtype != qkv.dtype or k_weight.dtype != qkv.dtype:
+        raise ValueError("q_weight and k_weight must be [head_dim] in qkv's dtype")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != hd // 2 or cos.dtype != torch.float32:
+        raise ValueError(f"cos and sin must be fp32 tables [positions, head_dim / 2], got {tuple(cos.shape)}")
+    if positions.shape != (qkv.shape[0],) or positions.dtype != torch.long:
+        raise ValueError(f"positions must be a LongTensor [N={qkv.shape[0]}], got {tuple(positions.shape)}")
+    if (k_cache is None) != (v_cache is None) or (k_cache is None) != (slots is None):
+        raise ValueError("k_cache, v_cache and slots go together")
+    if k_cache is not None:
+        if k_cache.shape != v_cache.shape or k_cache.shape[1:] != (n_kv_heads, hd) or k_cache.dtype != qkv.dtype:
+            raise ValueError(f"k_cache and v_cache must be [n_slots, {n_kv_heads}, {hd}] in qkv's dtype")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("k_cache and v_cache must be contiguous")
+        if slots.shape != positions.shape or slots.dtype != torch.long:
+            raise ValueError("slots must be a LongTensor shaped like positions")
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, eps: float, n_heads: int, n_kv_heads: int,
+    k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, H, hd], k [N, K, hd]) normalized and rotated; k and v written at `slots` of the
+    cache when one is given. Inference only (no backward): the model's unfused path, which
+    runs transformers' operations one by one, is the reference and the training path."""
+    _check(qkv, q_weight, k_weight, cos, sin, positions, n_heads, n_kv_heads, k_cache, v_cache, slots)
+    return _qk_norm_rope_op(qkv.contiguous(), q_weight.contiguous(), k_weight.contiguous(), cos, sin,
+                            positions, float(eps), n_heads, n_kv_heads, k_cache, v_cache, slots)

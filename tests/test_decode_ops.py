@@ -1,0 +1,142 @@
+"""The decode step's Triton kernels (ops/qk_norm_rope.py, decode_attention.py, silu_mul.py) against
+transformers' own modules and functions: Qwen3RMSNorm, apply_rotary_pos_emb, eager attention, SiLU."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from checkpoints import hf_config
+from conftest import DEVICE
+from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relative_error
+from transformers.activations import ACT2FN
+from transformers.models.qwen3 import modeling_qwen3 as hf
+
+from ops.decode_attention import decode_attention
+from ops.qk_norm_rope import qk_norm_rope
+from ops.silu_mul import silu_mul
+from qwen3.config import Qwen3Config
+from qwen3.model import RotaryEmbedding
+
+
+def assert_close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=LAYER_FP32_RTOL, atol=LAYER_FP32_ATOL)
+    else:
+        assert relative_error(actual, expected) < LAYER_BF16_REL
+
+
+def randn(*shape, dtype, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2, 32), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
+def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads):
+    H, K, hd = heads
+    cfg = hf_config(num_attention_heads=H, num_key_value_heads=K, head_dim=hd, rope_theta=1_000_000.0)
+    N, eps = 7, cfg.rms_norm_eps
+    qkv = randn(N, (H + 2 * K) * hd, dtype=dtype, seed=0)
+    q_norm, k_norm = hf.Qwen3RMSNorm(hd, eps).to(DEVICE, dtype), hf.Qwen3RMSNorm(hd, eps).to(DEVICE, dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.2 * randn(hd, dtype=dtype, seed=1))
+        k_norm.weight.copy_(1 + 0.2 * randn(hd, dtype=dtype, seed=2))
+    positions = torch.tensor([0, 1, 5, 63, 200, 511, 7], device=DEVICE)
+    rotary = RotaryEmbedding(Qwen3Config.from_dict(cfg.to_dict()))
+    cos_table, sin_table = rotary.tables(DEVICE)
+    k_cache = torch.zeros(20, K, hd, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 0, 19, 7, 8, 2, 11], device=DEVICE)
+    with torch.no_grad():
+        q, k = qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos_table, sin_table, positions, eps, H, K,
+                            k_cache, v_cache, slots)
+        q_hf, k_hf, v_hf = qkv.split([H * hd, K * hd, K * hd], dim=-1)
+        cos, sin = hf.Qwen3RotaryEmbedding(cfg).to(DEVICE)(qkv, positions[None])  # [1, N, hd] in dtype
+        q_hf = q_norm(q_hf.view(1, N, H, hd)).transpose(1, 2)  # [1, H, N, hd], as HF's attention holds it
+        k_hf = k_norm(k_hf.view(1, N, K, hd)).transpose(1, 2)
+        q_hf, k_hf = hf.apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
+    assert_close(q, q_hf[0].transpose(0, 1))
+    assert_close(k, k_hf[0].transpose(0, 1))
+    assert torch.equal(k_cache[slots], k)  # the cache holds exactly what was returned
+    assert torch.equal(v_cache[slots], v_hf.view(N, K, hd))
+    untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def test_qk_norm_rope_without_a_cache_and_bad_shapes():
+    H, K, hd = 2, 1, 16
+    qkv = randn(3, (H + 2 * K) * hd, dtype=torch.float32, seed=0)
+    w = torch.ones(hd, device=DEVICE)
+    cos = sin = torch.zeros(8, hd // 2, device=DEVICE)
+    positions = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    q, k = qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H, K)
+    assert q.shape == (3, H, hd) and k.shape == (3, K, hd)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H + 1, K)
+    with pytest.raises(ValueError, match="positions must be"):
+        qk_norm_rope(qkv, w, w, cos, sin, positions[:2], 1e-6, H, K)
+    with pytest.raises(ValueError, match="go together"):
+        qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H, K, k_cache=torch.zeros(4, K, hd, device=DEVICE))
+
+
+def hf_attention(q, k_cache, v_cache, seq_lens, scale):
+    """transformers' eager attention of one query per row over each row's first seq_lens keys."""
+    B, H, hd = q.shape
+    K = k_cache.shape[2]
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    mask = torch.where(keys < seq_lens[:, None], 0.0, torch.finfo(q.dtype).min).to(q.dtype)[:, None, None]
+    module = SimpleNamespace(num_key_value_groups=H // K, training=False)
+    out, _ = hf.eager_attention_forward(module, q[:, :, None], k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+                                        mask, scaling=scale)
+    return out[:, 0]  # [B, 1, H, hd] -> [B, H, hd]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2, 64), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_attention_equals_transformers(dtype, heads, batch):
+    """Rows of 1 key, a key block and one more, and the whole cache: one slice or several."""
+    H, K, hd = heads
+    S = 200
+    q = randn(batch, H, hd, dtype=dtype, seed=0)
+    k_cache, v_cache = randn(batch, S, K, hd, dtype=dtype, seed=1), randn(batch, S, K, hd, dtype=dtype, seed=2)
+    seq_lens = torch.tensor([1, 65, 200][:batch] if batch > 1 else [137], device=DEVICE)
+    with torch.no_grad():
+        actual = decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5)
+        expected = hf_attention(q, k_cache, v_cache, seq_lens, hd**-0.5)
+    assert_close(actual, expected)
+
+
+def test_decode_attention_reads_nothing_past_a_row_length():
+    """NaN in every slot past each row's length changes nothing: those slots are never read."""
+    q = randn(2, 4, 32, dtype=torch.float32, seed=0)
+    k_cache, v_cache = randn(2, 100, 2, 32, dtype=torch.float32, seed=1), randn(2, 100, 2, 32, dtype=torch.float32,
+                                                                                 seed=2)
+    seq_lens = torch.tensor([30, 77], device=DEVICE)
+    clean = decode_attention(q, k_cache, v_cache, seq_lens, 0.1)
+    for row, n in enumerate(seq_lens.tolist()):
+        k_cache[row, n:] = float("nan")
+        v_cache[row, n:] = float("nan")
+    assert torch.equal(decode_attention(q, k_cache, v_cache, seq_lens, 0.1), clean)
+
+
+def test_decode_attention_refuses_mismatched_shapes():
+    q = torch.zeros(2, 4, 32, device=DEVICE)
+    cache = torch.zeros(2, 10, 3, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="H a multiple of K"):
+        decode_attention(q, cache, cache, torch.ones(2, dtype=torch.long, device=DEVICE), 1.0)
+    cache = torch.zeros(2, 10, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        decode_attention(q, cache, cache, torch.ones(3, dtype=torch.long, device=DEVICE), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 160), (2, 5, 1500)])
+def test_silu_mul_equals_transformers(dtype, shape):
+    gate_up = 3 * randn(*shape[:-1], 2 * shape[-1], dtype=dtype, seed=0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.no_grad():
+        assert_close(silu_mul(gate_up), ACT2FN["silu"](gate) * up)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        silu_mul(gate_up[..., :-1])
