@@ -25,22 +25,24 @@ BLOCK_N = 64  # keys per inner step
 TARGET_PROGRAMS = 256  # about two waves of the H200's 132 SMs
 
 
-def num_splits(batch: int, n_kv_heads: int, max_len: int) -> int:
-    """Slices per row: enough programs to fill the GPU, no more slices than key blocks."""
-    return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), triton.cdiv(max_len, BLOCK_N)))
+def num_splits(batch: int, n_kv_heads: int) -> int:
+    """Slices per row: enough programs to fill the GPU. It depends on the batch and the heads
+    only, not on the cache's length, so one compiled kernel serves every length; slices past a
+    row's keys return at once."""
+    return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), 64))
 
 
 @triton.jit
 def _split_kernel(
     Q, K, V, SEQ_LENS, O_PART, LSE_PART,
-    scale, stride_kb, stride_ks,
+    scale, max_len, stride_kb, stride_ks,
     N_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + b)
+    seq_len = tl.minimum(tl.load(SEQ_LENS + b), max_len)  # never past the cache, whatever the caller says
     per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
@@ -104,7 +106,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = H // K
     block_hd = triton.next_power_of_2(hd)
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, seq_lens, o_part, lse_part, scale, k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, seq_lens, o_part, lse_part, scale, k_cache.shape[1], k_cache.stride(0), k_cache.stride(1),
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
         SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, num_warps=4,
     )
@@ -136,8 +138,7 @@ def _check(q, k_cache, v_cache, seq_lens) -> None:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """[B, H, hd]: softmax(q k^T * scale) v over each row's first seq_lens[b] keys (1 <= seq_lens[b]
-    <= S; the caller guarantees it: the kernel reads no further than S either way)."""
+    <= S, which the caller guarantees; the kernel reads no further than S either way)."""
     _check(q, k_cache, v_cache, seq_lens)
-    splits = num_splits(q.shape[0], k_cache.shape[2], k_cache.shape[1])
-    return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens.clamp(1, k_cache.shape[1]),
-                                float(scale), splits)
+    splits = num_splits(q.shape[0], k_cache.shape[2])
+    return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens, float(scale), splits)

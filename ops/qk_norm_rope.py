@@ -41,10 +41,9 @@ def _qk_norm_rope_kernel(
     src = QKV + token * (N_HEADS + 2 * N_KV) * HD + head * HD
     x1 = tl.load(src + cols, mask=ok, other=0.0)
     x2 = tl.load(src + HALF + cols, mask=ok, other=0.0)
-    slot = 0
-    if HAS_CACHE:
-        # The caller checks positions against the cache; clamping keeps any slip inside it.
-        slot = tl.minimum(tl.maximum(tl.load(SLOTS + token), 0), n_slots - 1)
+    # The caller checks positions against the cache; clamping keeps any slip inside it. (Without
+    # a cache SLOTS is the positions tensor: readable, never used.)
+    slot = tl.minimum(tl.maximum(tl.load(SLOTS + token), 0), n_slots - 1)
     if head < N_HEADS + N_KV:
         if head < N_HEADS:
             w1 = tl.load(QW + cols, mask=ok, other=0.0).to(tl.float32)
@@ -52,10 +51,10 @@ def _qk_norm_rope_kernel(
         else:
             w1 = tl.load(KW + cols, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(KW + HALF + cols, mask=ok, other=0.0).to(tl.float32)
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
-        y1 = round_to(round_to(x1 * rstd, dtype).to(tl.float32) * w1, dtype).to(tl.float32)
-        y2 = round_to(round_to(x2 * rstd, dtype).to(tl.float32) * w2, dtype).to(tl.float32)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HD + eps)
+        y1 = round_to(round_to(f1 * rstd, dtype).to(tl.float32) * w1, dtype).to(tl.float32)
+        y2 = round_to(round_to(f2 * rstd, dtype).to(tl.float32) * w2, dtype).to(tl.float32)
         pos = tl.load(POS + token)
         c = round_to(tl.load(COS + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)
         s = round_to(tl.load(SIN + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)

@@ -180,11 +180,13 @@ def generate(
         return new
 
     new = choose(logits, 0)
+    if on_token is not None:  # the first token as soon as the prefill gives it, before any graph capture
+        on_token(tokens[0])
     for i in range(1, max_new_tokens + 1):
         if i < max_new_tokens:  # queue step i on the GPU before looking at step i - 1's token
             new = choose(step(new[:, None], next_positions), i)
             next_positions = next_positions + 1
-        if on_token is not None:
+        if on_token is not None and i > 1:
             on_token(tokens[i - 1])
         if (on_token is not None or i % STOP_CHECK_EVERY == 0) and bool((finished_at <= i - 1).all()):
             break

@@ -23,6 +23,7 @@ from torch import nn
 
 from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
 from ops.decode_attention import decode_attention
+from ops.gemv import gemv
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 
@@ -60,6 +61,14 @@ class FusedLinear(nn.Linear):
         starts = [0, *torch.tensor(list(self.parts.values())).cumsum(0).tolist()]
         return {name: param[start:end] for name, start, end in zip(self.parts, starts, starts[1:])}
 
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """layer(x). On the fused path a single row (a batch-1 decode step) takes the GEMV kernel,
+    which streams the weights faster than cuBLAS's kernels for that shape (ops/gemv.py)."""
+    if fused and x.numel() == x.shape[-1]:
+        return gemv(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 def stack_fused_parts(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -166,7 +175,7 @@ class ForwardBatch:
 def static_shapes(device: torch.device) -> bool:
     """Whether this forward is being captured in a CUDA graph or traced by torch.compile: then
     nothing may depend on tensor values read back to the host (no sync, no data-dependent shape)."""
-    return (device.type == "cuda" and torch.cuda.is_current_stream_capturing()) or torch.compiler.is_compiling()
+    return torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def prepare_batch(
@@ -226,7 +235,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape  # [B, T, D]
         H, K, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [B, T, (H + 2K) * hd]
+        qkv = linear(self.qkv_proj, x, batch.fused)  # [B, T, (H + 2K) * hd]
         k_cache, v_cache = cache.layer(self.layer_idx) if cache is not None else (None, None)  # [B*S+1, K, hd]
         if batch.fused:
             q, k = qk_norm_rope(qkv.view(B * T, -1), self.q_norm.weight, self.k_norm.weight, batch.cos, batch.sin,
@@ -243,7 +252,7 @@ class Attention(nn.Module):
         if batch.seq_lens is not None:  # one new token per row, fused path: the split-KV kernel
             k_rows, v_rows = cache.rows(self.layer_idx)  # [B, S, K, hd]
             out = decode_attention(q.view(B, H, hd), k_rows, v_rows, batch.seq_lens, hd**-0.5)
-            return self.o_proj(out.view(B, T, H * hd))
+            return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
         if batch.n_keys is None:  # over the new tokens
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, K, T, hd]
         else:  # over each row's cached slots
@@ -270,9 +279,9 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(stack_fused_parts)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [B, T, 2F]
+        gate_up = linear(self.gate_up_proj, x, fused)  # [B, T, 2F]
         if fused:
-            return self.down_proj(silu_mul(gate_up))
+            return linear(self.down_proj, silu_mul(gate_up), fused)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

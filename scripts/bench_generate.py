@@ -10,8 +10,8 @@ device: nothing is downloaded or written to disk) and each batch size: a random 
   hf_eager           transformers' generate (SDPA attention, dynamic cache)
   hf_static_compile  transformers' generate with cache_implementation="static" (compiled forward)
 decode_tok_s = rows x decode steps / time, leaving out the prefill (ours: from the timestamps of
-the streamed tokens, leaving out the first decode step, which captures the graph; transformers:
-total time minus a prefill-only run's); prefill_ms = time to the first token. hbm_fraction =
+the streamed tokens, leaving out the first two decode steps, where ours captures its graph;
+transformers timed the same way through a streamer); prefill_ms = time to the first token. hbm_fraction =
 weight bytes x decode steps per second / the measured copy bandwidth (weights only: at large
 batches the KV cache adds reads this leaves out). Also times a --long-prompt-token prefill of
 ours against transformers' (SDPA).
@@ -92,18 +92,32 @@ def time_ours(model, ids, new, cuda_graph):
     return (stamps[0] - start) * 1e3, (len(stamps) - 1 - first) / (stamps[-1] - stamps[first])
 
 
-def time_hf(model, ids, new, **kwargs):
-    def run(n):
-        sync()
-        start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0, **kwargs)
-        sync()
-        return time.perf_counter() - start
+class Stamps:
+    """A transformers streamer that only notes when each new token arrives."""
 
-    prefill = run(1)
-    total = run(new)
-    return prefill * 1e3, (new - 1) / (total - prefill)
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:  # the first put is the prompt
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def time_hf(model, ids, new, **kwargs):
+    """(prefill ms, decode steps per second) of one greedy generate call, timed as ours is."""
+    stamps = Stamps()
+    sync()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                   do_sample=False, pad_token_id=0, streamer=stamps, **kwargs)
+    first = 2
+    t = stamps.times
+    return (t[0] - start) * 1e3, (len(t) - 1 - first) / (t[-1] - t[first])
 
 
 def time_prefill(fn, repeats=5) -> float:
@@ -150,11 +164,11 @@ def main() -> None:
                 with torch.inference_mode():
                     if engine.startswith("ours"):
                         graph = engine == "ours" and device.type == "cuda"
-                        time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks kernels
+                        time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks its kernels
                         prefill_ms, steps = time_ours(ours, ids, args.new, graph)
                     else:
                         kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
-                        time_hf(hf, ids, 8, **kwargs)  # warm up (compiles the static-cache forward)
+                        time_hf(hf, ids, args.new, **kwargs)  # warm up: the same shapes compile the static cache's forward
                         prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
                 row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
                            decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),

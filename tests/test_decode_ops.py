@@ -12,6 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from ops.decode_attention import decode_attention
+from ops.gemv import gemv
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 from qwen3.config import Qwen3Config
@@ -140,3 +141,17 @@ def test_silu_mul_equals_transformers(dtype, shape):
         assert_close(silu_mul(gate_up), ACT2FN["silu"](gate) * up)
     with pytest.raises(ValueError, match="gate_up must be"):
         silu_mul(gate_up[..., :-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(77, 300), (4096, 1024), (96, 2048)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_linear(dtype, shape, bias):
+    """One row through a linear layer, as a batch-1 decode step's projections are computed."""
+    N, K = shape
+    layer = torch.nn.Linear(K, N, bias=bias).to(DEVICE, dtype)
+    x = randn(1, 1, K, dtype=dtype, seed=0)
+    with torch.no_grad():
+        assert_close(gemv(x, layer.weight, layer.bias), layer(x))
+    with pytest.raises(ValueError, match="one row"):
+        gemv(randn(2, K, dtype=dtype, seed=1), layer.weight)

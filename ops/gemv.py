@@ -1,0 +1,67 @@
+"""One row through a linear layer: y = x @ W^T for x [1, K], W [N, K] (nn.Linear's layout).
+
+    y = gemv(x, weight, bias=None)
+
+A batch-1 decode step is a chain of such products, each streaming a weight matrix of a few MB
+once. cuBLAS's kernels for these shapes leave much of the bandwidth unused (split-K ones add a reduction
+kernel); this one streams W in [BLOCK_N, BLOCK_K] tiles, each program owning BLOCK_N outputs
+and reducing over all of K in fp32 (docs/benchmarks/decode-notes.md has the measurements).
+Products are summed in another order than cuBLAS's, so results differ from F.linear's by fp32
+rounding before the final rounding to the output dtype.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gemv"]
+
+
+def gemv_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): few outputs per program and long strides along K, so that
+    many programs stream 2-4 KiB pieces of W rows at once (the best of a sweep on the H200 for
+    every Qwen3-0.6B and -8B projection, docs/benchmarks/decode-notes.md)."""
+    return (2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(W + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:  # added to the fp32 sum, rounded once
+        y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@torch.library.custom_op("qwen3_ops::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    N, K = weight.shape
+    y = x.new_empty(*x.shape[:-1], N)
+    block_n, block_k, warps = gemv_config(N, K)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else x, y, N, K,
+                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                                             num_warps=warps)
+    return y
+
+
+@_gemv_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] holding one row; inference only (no backward)."""
+    if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"gemv takes one row x [..., K] and weight [N, K], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
+        raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
+    return _gemv_op(x.contiguous(), weight.contiguous(), bias)
