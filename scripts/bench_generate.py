@@ -168,7 +168,7 @@ def main() -> None:
                         prefill_ms, steps = time_ours(ours, ids, args.new, graph)
                     else:
                         kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
-                        time_hf(hf, ids, args.new, **kwargs)  # warm up: the same shapes compile the static cache's forward
+                        time_hf(hf, ids, args.new, **kwargs)  # warm up: compiles the static-cache forward
                         prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
                 row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
                            decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
