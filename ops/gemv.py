@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_helpers import round_to
+
 __all__ = ["gemv"]
 
 
@@ -25,7 +27,10 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """GATED: X is [gate | up] (2K values) and the row is silu(gate) * up, rounded as silu_mul
+    rounds it (ops/silu_mul.py): SwiGLU's product fused into the down projection."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -34,6 +39,11 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
         k_ok = k < K
         w = tl.load(W + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(X + k, mask=k_ok, other=0.0)
+        if GATED:
+            gate = x.to(tl.float32)
+            up = tl.load(X + K + k, mask=k_ok, other=0.0).to(tl.float32)
+            silu = round_to(gate / (1.0 + tl.exp(-gate)), W.dtype.element_ty).to(tl.float32)
+            x = round_to(silu * up, W.dtype.element_ty)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added to the fp32 sum, rounded once
@@ -42,26 +52,28 @@ def _gemv_kernel(X, W, B, Y, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @torch.library.custom_op("qwen3_ops::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
     N, K = weight.shape
     y = x.new_empty(*x.shape[:-1], N)
     block_n, block_k, warps = gemv_config(N, K)
     _gemv_kernel[(triton.cdiv(N, block_n),)](x, weight, bias if bias is not None else x, y, N, K,
-                                             HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                                             num_warps=warps)
+                                             HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n,
+                                             BLOCK_K=block_k, num_warps=warps)
     return y
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, gated):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] holding one row; inference only (no backward)."""
-    if x.numel() != x.shape[-1] or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"gemv takes one row x [..., K] and weight [N, K], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] holding one row; with gated, F.linear(silu(gate) * up,
+    weight, bias) for x = [gate | up] [..., 2K]. Inference only (no backward)."""
+    K = weight.shape[-1] if weight.dim() == 2 else -1
+    if x.numel() != x.shape[-1] or x.shape[-1] != (2 * K if gated else K):
+        raise ValueError(f"gemv takes one row x [..., {'2K' if gated else 'K'}] and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
         raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
-    return _gemv_op(x.contiguous(), weight.contiguous(), bias)
+    return _gemv_op(x.contiguous(), weight.contiguous(), bias, gated)

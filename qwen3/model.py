@@ -280,8 +280,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         gate_up = linear(self.gate_up_proj, x, fused)  # [B, T, 2F]
+        if fused and gate_up.numel() == gate_up.shape[-1]:  # one row: SwiGLU's product inside the GEMV
+            return gemv(gate_up, self.down_proj.weight, gated=True)
         if fused:
-            return linear(self.down_proj, silu_mul(gate_up), fused)
+            return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

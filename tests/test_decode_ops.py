@@ -155,3 +155,14 @@ def test_gemv_equals_linear(dtype, shape, bias):
         assert_close(gemv(x, layer.weight, layer.bias), layer(x))
     with pytest.raises(ValueError, match="one row"):
         gemv(randn(2, K, dtype=dtype, seed=1), layer.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_equals_transformers_mlp_down_projection(dtype):
+    """gemv(gate_up, down, gated=True) = down_proj(silu(gate) * up), transformers' Qwen3MLP tail."""
+    F_, D = 160, 64
+    gate_up = 3 * randn(1, 1, 2 * F_, dtype=dtype, seed=0)
+    down = torch.nn.Linear(F_, D, bias=False).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    with torch.no_grad():
+        assert_close(gemv(gate_up, down.weight, gated=True), down(ACT2FN["silu"](gate) * up))
