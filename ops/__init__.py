@@ -6,6 +6,8 @@
 impl is "torch" | "triton" | "cuda" | "auto" ("triton" for CUDA tensors, "torch" otherwise).
 Inputs are checked here, once, for every implementation; a bad input raises a ValueError or
 TypeError that names the problem. Nothing falls back silently to another implementation.
+"torch" and "triton" support autograd (and torch.compile); "cuda" is forward only and raises
+NotImplementedError where autograd would record the call.
 """
 
 import os

@@ -4,7 +4,7 @@ through transformers' Qwen3RMSNorm."""
 import pytest
 import torch
 from conftest import DEVICE, requires_cuda
-from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
+from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, assert_matches_hf, relative_error
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ops import fused_add_rms_norm, rms_norm
@@ -216,6 +216,29 @@ def test_compiled_gradients_equal_eager():
     compiled = torch.compile(block, fullgraph=True, backend=COMPILE_BACKEND)
     for got, want in zip(grads(compiled), grads(block)):
         assert torch.equal(got, want)
+
+
+@requires_cuda
+def test_cuda_impl_refuses_gradients():
+    """impl='cuda' has no backward: where autograd would record the call it raises instead of
+    returning outputs cut off from the graph; under no_grad it runs and matches HF's module."""
+    x, w, _ = make_case(8, 256, torch.bfloat16)
+    residual = torch.randn_like(x)
+    for needs_grad in (x, w, residual):
+        needs_grad.requires_grad_(True)
+        with pytest.raises(NotImplementedError, match="impl='cuda' has no backward"):
+            fused_add_rms_norm(x, residual, w, impl="cuda")
+        if needs_grad is not residual:
+            with pytest.raises(NotImplementedError, match="impl='cuda' has no backward"):
+                rms_norm(x, w, impl="cuda")
+        needs_grad.requires_grad_(False)
+    x.requires_grad_(True)
+    module = Qwen3RMSNorm(256).to(device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        assert_matches_hf(rms_norm(x, w, impl="cuda"), x.detach(), module)
+        y, s = fused_add_rms_norm(x, residual, w, impl="cuda")
+        assert torch.equal(s, residual + x) and not y.requires_grad
 
 
 @requires_cuda
