@@ -391,21 +391,20 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torc
 # ----------------------------------------------------------------------------- ops and autograd
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd will record the call: the forward then also stores rstd for the backward."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+# The public calls, on inputs validated by ops. store_rstd is whether autograd will record the call:
+# only then does the forward write rstd, for the backward.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The Triton RMSNorm on inputs validated by ops.rms_norm."""
-    return rms_norm_op(x, weight, eps, _needs_grad(x, weight))[0]
+    store_rstd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return rms_norm_op(x, weight, eps, store_rstd)[0]
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) on inputs validated by ops.fused_add_rms_norm."""
-    y, summed, _ = fused_add_rms_norm_op(x, residual, weight, eps, _needs_grad(x, residual, weight))
+    store_rstd = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    y, summed, _ = fused_add_rms_norm_op(x, residual, weight, eps, store_rstd)
     return y, summed
 
 

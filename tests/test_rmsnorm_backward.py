@@ -148,6 +148,24 @@ def test_fused_add_gradients_with_mixed_dtypes():
         torch.testing.assert_close(ours, ref, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 20)
 
 
+def test_fused_add_gradients_when_one_output_is_unused():
+    """The next residual (the sum) or the normalized output alone carries gradient: the other
+    output's gradient is absent, not zero-filled, and the backward still follows HF's decoder."""
+    x, w, dy = make_case(12, 64, torch.float32, seed=6)
+    residual = torch.randn(12, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for used in (1, 0):
+        ours = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+        fused_add_rms_norm(*ours, impl="triton")[used].backward(dy)
+        theirs = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+        s = theirs[1] + theirs[0]
+        (s if used else rms_norm(s, theirs[2], impl="torch")).backward(dy)
+        for a, b in zip(ours, theirs):
+            if b.grad is None:
+                assert a.grad is None or not a.grad.any()
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 12)
+
+
 def test_wide_rows_backward_is_refused():
     x = torch.randn(2, tri.MAX_BACKWARD_D + 1, device=DEVICE, requires_grad=True)
     w = torch.ones(x.shape[-1], device=DEVICE)
