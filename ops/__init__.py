@@ -6,6 +6,8 @@
 impl is "torch" | "triton" | "cuda" | "auto" ("triton" for CUDA tensors, "torch" otherwise).
 Inputs are checked here, once, for every implementation; a bad input raises a ValueError or
 TypeError that names the problem. Nothing falls back silently to another implementation.
+"torch" and "triton" support autograd (and torch.compile); "cuda" is forward only and raises
+NotImplementedError where autograd would record the call.
 """
 
 import os
@@ -79,8 +81,8 @@ def _check_kinds(x: torch.Tensor, weight: torch.Tensor, impl: str) -> str:
 
 def _kernels(impl: str) -> ModuleType:
     """The module of a kernel impl, imported on first use: importing triton takes seconds, and the
-    torch impl never needs it. (`import a.b as m` skips the Python-level fromlist handling that
-    `from . import b` pays on every call, ~1 us of host time; torch.compile traces both.)"""
+    torch impl never needs it. (`import a.b as m`, unlike `from . import b`, skips the fromlist
+    handling on every call; this runs once per norm.)"""
     if impl == "cuda":
         import ops.rmsnorm_cuda as module
     else:

@@ -7,6 +7,9 @@ fp32 and reduced with warp shuffles (then across warps through shared memory); H
 for x, residual and weight through templates; rows that are too long or misaligned for vectors
 take a scalar kernel that reads them twice. Built with torch.utils.cpp_extension.load_inline
 and cached by torch in its extensions directory.
+
+Forward only: a call that autograd would record (grad mode on, an input requiring grad) raises
+NotImplementedError instead of returning outputs cut off from the graph.
 """
 
 import functools
@@ -240,13 +243,23 @@ def _extension():
     )
 
 
+def _refuse_grad(*tensors: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "impl='cuda' has no backward: use impl='triton' or 'torch' where gradients are needed, "
+            "or call it under torch.no_grad()"
+        )
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _refuse_grad(x, weight)
     return _extension().rms_norm_forward(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _refuse_grad(x, residual, weight)
     if residual.dtype != x.dtype:
         raise TypeError(f"impl='cuda' fused add needs residual in x's dtype {x.dtype}, got {residual.dtype}")
     y, summed = _extension().rms_norm_forward(x, residual, weight, eps)

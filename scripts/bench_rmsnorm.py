@@ -2,14 +2,19 @@
 
     python scripts/bench_rmsnorm.py --out docs/benchmarks
 
-(a) the blog's figure: 2x256xD, D = 128..8192, fp32/fp16/bf16, microseconds per call including
-    the Python wrapper (these shapes are launch-bound);
-(b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128;
+(a) the blog's shape 2 x 256 x D (D = 128, 1024, 4096, 8192; every dtype): microseconds per call
+    on the host's wall clock, the Python wrapper included. These calls move under 10 MB, so they
+    measure host cost per call, ours beside F.rms_norm's;
+(b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128, every dtype;
 (d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16, eager and, for
     ours and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
 Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
 the device-to-device copy of the same bytes (the roofline). At each point every line is timed
-in interleaved rounds, on the same inputs. Writes rmsnorm-h200.json and PNGs.
+in interleaved rounds, on the same inputs. Writes rmsnorm-h200.json (after every part, so that a
+run cut short keeps what it measured) and PNGs.
+
+Takes about 4-5 minutes on one H200, most of it compiling (torch.compile per shape, Triton, Liger,
+and the CUDA op where this machine has not built it yet); each part prints its seconds.
 """
 
 import argparse
@@ -87,14 +92,6 @@ def wall_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def wall_us_per_call(fn, calls: int = 300, rounds: int = 5) -> float:
-    """Microseconds per call including the Python wrapper: the median of `rounds` runs of `calls`
-    calls, as a shared host's hiccups hit single runs."""
-    for _ in range(20):
-        fn()
-    return statistics.median(wall_us(fn, calls) for _ in range(rounds))
-
-
 def lines_of(op: str, rows: int, D: int, dtype: str) -> dict:
     """Every available line of `op` ("rms_norm", "fused_add_rms_norm" or "fwd_bwd") as a call
     without arguments, all on the same fresh inputs."""
@@ -113,7 +110,7 @@ def lines_of(op: str, rows: int, D: int, dtype: str) -> dict:
 def in_rounds(lines: dict, rounds: int, time_line) -> dict[str, list]:
     """Each line's time_line(name, fn) in every round, a round timing every line once: the host's
     drift over seconds moves all lines of a round alike, so it does not decide which line leads
-    where they are within a few percent (item 16 of rmsnorm-notes.md)."""
+    where they are within a few percent."""
     times = {name: [] for name in lines}
     for _ in range(rounds):
         for name, fn in lines.items():
@@ -122,7 +119,7 @@ def in_rounds(lines: dict, rounds: int, time_line) -> dict[str, list]:
 
 
 @functools.cache
-def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 300, rounds: int = 9) -> dict[str, list]:
+def interleaved_wall_us(rows: int, D: int, dtype: str, calls: int = 200, rounds: int = 7) -> dict[str, list]:
     """Microseconds per call of every forward line, `calls` calls per round, in interleaved rounds."""
     lines = lines_of("rms_norm", rows, D, dtype)
     for fn in lines.values():
@@ -218,40 +215,7 @@ def run(benchmarks, fn, out: Path):
     report.run(save_path=str(out), print_data=True)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--skip", nargs="*", default=[], help="parts to skip: a b c d e")
-    p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    copy_gbps = copy_bandwidth()
-    print(f"copy: {copy_gbps:.0f} GB/s")
-    fwd_lines = available(["triton", "cuda", "F.rms_norm", "hf_eager", "compiled_hf", "liger", "copy"])
-    blog_D = [128, 256, 512, 1024, 2048, 2176, 4096, 8192]
-    if "a" not in args.skip:
-        run(forward_benchmark("blog-2x256xD-us", 512, blog_D, list(DTYPES), fwd_lines, wall=True),
-            bench_forward, args.out)
-    if "b" not in args.skip:
-        run(forward_benchmark("rows16384", 16384, [1024, 2048, 4096, 8192], list(DTYPES), fwd_lines),
-            bench_forward, args.out)
-    if "c" not in args.skip:
-        run(forward_benchmark("qknorm-131072", 131072, [128], ["bfloat16"], fwd_lines), bench_forward, args.out)
-    fused_lines = available(["triton", "cuda", "hf_eager", "compiled_hf", "liger", "copy"])
-    if "d" not in args.skip:
-        for rows, Ds in ((16384, [1024, 2048, 4096, 8192]), (131072, [128])):
-            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=fused_lines,
-                              line_names=fused_lines, ylabel="GB/s", plot_name=f"fused-add-rows{rows}-bfloat16",
-                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fused, args.out)
-    bwd_lines = available(list(BACKWARD))
-    if "e" not in args.skip:
-        for rows, Ds in ((4096, [4096]), (16384, [4096, 8192]), (131072, [128])):
-            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=bwd_lines,
-                              line_names=bwd_lines, ylabel="GB/s (5 passes)", plot_name=f"fwd-bwd-rows{rows}-bfloat16",
-                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fwd_bwd, args.out)
-
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True, cwd=ROOT).stdout.strip()
+def write_json(out: Path, copy_gbps: float, commit: str) -> None:
     import transformers
 
     versions = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
@@ -260,9 +224,57 @@ def main() -> None:
         import liger_kernel
 
         versions["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
-    (args.out / "rmsnorm-h200.json").write_text(json.dumps(dict(
+    (out / "rmsnorm-h200.json").write_text(json.dumps(dict(
         copy_GBps=round(copy_gbps, 1), date=datetime.date.today().isoformat(),
-        commit=commit or "unknown", versions=versions, results=RESULTS), indent=1))
+        commit=commit, versions=versions, results=RESULTS), indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--skip", nargs="*", default=[], help="parts to skip: a b c d e")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True, cwd=ROOT).stdout.strip() or "unknown"
+    start = time.perf_counter()
+    copy_gbps = copy_bandwidth()
+    print(f"copy: {copy_gbps:.0f} GB/s")
+    fwd_lines = available(["triton", "cuda", "F.rms_norm", "hf_eager", "compiled_hf", "liger", "copy"])
+    fused_lines = available(["triton", "cuda", "hf_eager", "compiled_hf", "liger", "copy"])
+    bwd_lines = available(list(BACKWARD))
+
+    def part_a():
+        run(forward_benchmark("blog-2x256xD-us", 512, [128, 1024, 4096, 8192], list(DTYPES), fwd_lines, wall=True),
+            bench_forward, args.out)
+
+    def part_b():
+        run(forward_benchmark("rows16384", 16384, [1024, 2048, 4096, 8192], list(DTYPES), fwd_lines),
+            bench_forward, args.out)
+
+    def part_c():
+        run(forward_benchmark("qknorm-131072", 131072, [128], list(DTYPES), fwd_lines), bench_forward, args.out)
+
+    def part_d():
+        for rows, Ds in ((16384, [1024, 2048, 4096, 8192]), (131072, [128])):
+            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=fused_lines,
+                              line_names=fused_lines, ylabel="GB/s", plot_name=f"fused-add-rows{rows}-bfloat16",
+                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fused, args.out)
+
+    def part_e():
+        for rows, Ds in ((4096, [4096]), (16384, [4096, 8192]), (131072, [128])):
+            run([tt.Benchmark(x_names=["D"], x_vals=Ds, line_arg="impl", line_vals=bwd_lines,
+                              line_names=bwd_lines, ylabel="GB/s (5 passes)", plot_name=f"fwd-bwd-rows{rows}-bfloat16",
+                              args=dict(rows=rows, dtype="bfloat16", wall=False))], bench_fwd_bwd, args.out)
+
+    for name, part in dict(a=part_a, b=part_b, c=part_c, d=part_d, e=part_e).items():
+        if name not in args.skip:
+            part_start = time.perf_counter()
+            part()
+            write_json(args.out, copy_gbps, commit)
+            print(f"part {name}: {time.perf_counter() - part_start:.0f} s")
+    print(f"total: {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Markdown tables from a bench_rmsnorm.py result, for docs/benchmarks/README.md and README.md.
 
-    python scripts/bench_tables.py docs/benchmarks/rmsnorm-h200.json
+    python scripts/bench_tables.py docs/benchmarks/rmsnorm-h200.json             # docs/benchmarks' tables
+    python scripts/bench_tables.py --headline docs/benchmarks/rmsnorm-h200.json  # README's headline table
 
 Percentages are of the copy roofline two ways: the copy of the same bytes in the same run
 ("copy" line), and the peak copy bandwidth of a 512 MiB clone (copy_GBps).
@@ -64,11 +65,46 @@ def fwd_bwd_table(data) -> str:
     return "\n".join(lines)
 
 
+HEADLINE_LINES = ["triton", "F.rms_norm", "compiled_hf", "liger", "hf_eager"]
+
+
+def headline_table(data) -> str:
+    """bf16 only: GB/s with ours' share of the same-bytes copy, 512-row us per call, fwd+bwd us."""
+    lines = [header(["shape", "ours (triton)", "F.rms_norm", "torch.compile(HF)", "Liger", "HF eager"])]
+    results = data["results"]
+    for op, name, shapes in (("rms_norm", "", [(16384, 1024), (16384, 4096), (16384, 8192), (131072, 128)]),
+                             ("fused_add_rms_norm", "fused add + norm, ", [(16384, 4096), (16384, 8192)])):
+        table = points(results, op)
+        for rows, D in shapes:
+            by_impl = table.get(("bfloat16", rows, D))
+            if by_impl:
+                share = by_impl["triton"]["GBps"] / by_impl["copy"]["GBps"]
+                cells = [f"{by_impl[i]['GBps']:.0f}" if i in by_impl else "-" for i in HEADLINE_LINES]
+                cells[0] += f" ({share:.1%})"
+                lines.append(row([f"{name}{rows} x {D}", *cells]))
+    by_impl = points(results, "rms_norm").get(("bfloat16", 512, 1024))
+    if by_impl:
+        lines.append(row(["512 x 1024, us per call", *(f"{by_impl[i]['us']:.1f}" if i in by_impl else "-"
+                                                      for i in HEADLINE_LINES)]))
+    for (_, rows, D), by_impl in points(results, "fwd_bwd").items():
+        cells = [f"{by_impl[i]['us']:.0f}" if i in by_impl else "-" for i in HEADLINE_LINES]
+        for i, impl in enumerate(HEADLINE_LINES[:2]):
+            if f"{impl}+graph" in by_impl:
+                cells[i] += f" / {by_impl[impl + '+graph']['us']:.0f}"
+        lines.append(row([f"fwd+bwd {rows} x {D}, us: eager / CUDA graph", *cells]))
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", type=Path)
-    data = json.loads(p.parse_args().json.read_text())
+    p.add_argument("--headline", action="store_true", help="only README's headline table")
+    args = p.parse_args()
+    data = json.loads(args.json.read_text())
     print(f"commit {data['commit']}, {data['date']}, copy {data['copy_GBps']} GB/s, {data['versions']}\n")
+    if args.headline:
+        print(headline_table(data))
+        return
     print("GB/s\n\n" + gbps_tables(data) + "\n\nus per call, 512 rows\n\n" + per_call_table(data))
     print("\nfwd+bwd, us per step\n\n" + fwd_bwd_table(data))
 

@@ -4,12 +4,15 @@ through transformers' Qwen3RMSNorm."""
 import pytest
 import torch
 from conftest import DEVICE, requires_cuda
-from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, relative_error
+from tolerances import BACKWARD_16BIT_ERROR_SLACK, BACKWARD_FP32_RTOL, assert_matches_hf, relative_error
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ops import fused_add_rms_norm, rms_norm
 from ops import rmsnorm_triton as tri
 from qwen3.generation import warm_up_on_a_side_stream
+
+# Inductor on a GPU; on the CPU the traced graph runs eagerly (Inductor's CPU code is not what is tested).
+COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
 
 
 def make_case(rows, D, dtype, seed=0, weight_dtype=None):
@@ -39,19 +42,8 @@ def our_grads(x, w, dy, eps=1e-6):
     return y.detach(), xx.grad, ww.grad
 
 
-@pytest.fixture(params=["cpp-nodes", "custom-op"])
-def autograd_path(request, monkeypatch):
-    """Both autograd paths: the C++ launcher's nodes (which CI must be able to build), and the
-    custom ops' registered autograd, used where it cannot be built or a profiler hooks launches."""
-    if request.param == "cpp-nodes":
-        assert tri._autograd_in_cpp() is not None, "the C++ launcher did not build"
-    else:
-        monkeypatch.setattr(tri, "_autograd_in_cpp", lambda: None)
-    return request.param
-
-
 @pytest.mark.parametrize("D", [1, 7, 128, 1000, 4096])
-def test_fp32_gradients_match_hf_autograd(D, autograd_path):
+def test_fp32_gradients_match_hf_autograd(D):
     x, w, dy = make_case(33, D, torch.float32)
     _, dx, dw = our_grads(x, w, dy)
     _, dx_hf, dw_hf = hf_grads(x, w, dy)
@@ -73,7 +65,7 @@ def test_16bit_gradients_no_worse_than_hf(dtype, D):
     assert relative_error(dw, dw_64) <= relative_error(dw_hf, dw_64) * BACKWARD_16BIT_ERROR_SLACK
 
 
-def test_bf16_input_fp32_weight_gradients(autograd_path):
+def test_bf16_input_fp32_weight_gradients():
     x, w, dy = make_case(40, 256, torch.bfloat16, weight_dtype=torch.float32)
     y, dx, dw = our_grads(x, w, dy)
     y_hf, dx_hf, dw_hf = hf_grads(x, w, dy)
@@ -89,7 +81,7 @@ def test_dweight_is_deterministic():
     assert all(torch.equal(grads[0], g) for g in grads[1:])
 
 
-def test_backward_on_strided_input(autograd_path):
+def test_backward_on_strided_input():
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(6, 4, 3 * 64, generator=gen).to(DEVICE)
     x = base[..., 64:128]  # rows two strides apart, read in place
@@ -102,7 +94,7 @@ def test_backward_on_strided_input(autograd_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_add_gradients_match_hf_decoder(dtype, autograd_path):
+def test_fused_add_gradients_match_hf_decoder(dtype):
     """s = residual + x; y = norm(s); both s (the next residual) and y carry gradient."""
     x, w, dy = make_case(50, 384, dtype, seed=1)
     residual, _, ds = make_case(50, 384, dtype, seed=2)
@@ -132,7 +124,7 @@ def test_fused_add_gradients_match_hf_decoder(dtype, autograd_path):
             assert relative_error(a, t) <= relative_error(b, t) * BACKWARD_16BIT_ERROR_SLACK
 
 
-def test_fused_add_gradients_with_mixed_dtypes(autograd_path):
+def test_fused_add_gradients_with_mixed_dtypes():
     """Autocast: bf16 branch output + fp32 residual stream, as the HF decoder adds them; the
     gradients come back in each input's dtype and match autograd through HF's module."""
     x, w, dy = make_case(20, 128, torch.bfloat16, seed=3, weight_dtype=torch.float32)
@@ -156,7 +148,25 @@ def test_fused_add_gradients_with_mixed_dtypes(autograd_path):
         torch.testing.assert_close(ours, ref, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 20)
 
 
-def test_wide_rows_backward_is_refused(autograd_path):
+def test_fused_add_gradients_when_one_output_is_unused():
+    """The next residual (the sum) or the normalized output alone carries gradient: the other
+    output's gradient is absent, not zero-filled, and the backward still follows HF's decoder."""
+    x, w, dy = make_case(12, 64, torch.float32, seed=6)
+    residual = torch.randn(12, 64, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for used in (1, 0):
+        ours = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+        fused_add_rms_norm(*ours, impl="triton")[used].backward(dy)
+        theirs = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+        s = theirs[1] + theirs[0]
+        (s if used else rms_norm(s, theirs[2], impl="torch")).backward(dy)
+        for a, b in zip(ours, theirs):
+            if b.grad is None:
+                assert a.grad is None or not a.grad.any()
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=BACKWARD_FP32_RTOL, atol=BACKWARD_FP32_RTOL * 12)
+
+
+def test_wide_rows_backward_is_refused():
     x = torch.randn(2, tri.MAX_BACKWARD_D + 1, device=DEVICE, requires_grad=True)
     w = torch.ones(x.shape[-1], device=DEVICE)
     y = rms_norm(x, w, impl="triton")
@@ -167,36 +177,86 @@ def test_wide_rows_backward_is_refused(autograd_path):
 @pytest.mark.parametrize(
     "op, args",
     [
-        (tri.rms_norm_op, lambda x, w: (x, w, 1e-6)),
-        (tri.fused_add_rms_norm_op, lambda x, w: (x, x.detach().clone().flip(0), w, 1e-5)),
+        (tri.rms_norm_op, lambda x, w, grad: (x, w, 1e-6, grad)),
+        (tri.fused_add_rms_norm_op, lambda x, w, grad: (x, x.detach().clone().flip(0), w, 1e-5, grad)),
     ],
 )
-def test_opcheck(op, args):
+@pytest.mark.parametrize("grad", [True, False])
+def test_opcheck(op, args, grad):
     # test_aot_dispatch_dynamic traces with symbolic shapes into real kernels; it passes on CPU
     # tensors through the interpreter because these are custom_ops, opaque to the tracer.
-    x = torch.randn(8, 64, device=DEVICE, requires_grad=True)
-    w = torch.randn(64, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(op, args(x, w))
+    x = torch.randn(8, 64, device=DEVICE, requires_grad=grad)
+    w = torch.randn(64, device=DEVICE, requires_grad=grad)
+    torch.library.opcheck(op, args(x, w, grad))
 
 
 def test_backward_opcheck():
     x, w, dy = make_case(8, 64, torch.float32)
-    rstd = tri.rms_norm_op(x, w, 1e-6)[1]
+    rstd = tri.rms_norm_op(x, w, 1e-6, True)[1]
     torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, None))
     torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, dy.flip(0)))
 
 
-def test_compile_sees_one_node_without_graph_break():
-    def block(x, residual, w):
-        y, s = fused_add_rms_norm(x, residual, w, impl="triton")
-        return rms_norm(y * 2.0, w, impl="triton") + s
+def test_op_without_rstd_refuses_gradients():
+    """Called directly, the op told not to store rstd cannot be differentiated: it says so at the
+    forward instead of running the backward on missing data. (ops.rms_norm sets the flag itself.)"""
+    x, w, _ = make_case(4, 64, torch.float32)
+    with pytest.raises(ValueError, match="store_rstd=False"):
+        tri.rms_norm_op(x.requires_grad_(True), w, 1e-6, False)
 
+
+def block(x, residual, w):
+    """A decoder's norms: the fused add, then a norm of a function of its output."""
+    y, s = fused_add_rms_norm(x, residual, w, impl="triton")
+    return rms_norm(y * 2.0, w, impl="triton") + s
+
+
+def test_compile_sees_one_node_without_graph_break():
     x, w, _ = make_case(16, 128, torch.float32)
     explanation = torch._dynamo.explain(block)(x, x.flip(0), w)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(block, fullgraph=True, backend=COMPILE_BACKEND)
     torch.testing.assert_close(compiled(x, x.flip(0), w), block(x, x.flip(0), w), rtol=0, atol=0)
+
+
+def test_compiled_gradients_equal_eager():
+    """torch.compile(fullgraph=True) traces the registered autograd: the backward op replaces the
+    fused add's and the norm's backward, with the gradients of the eager calls bit for bit."""
+    x, w, dy = make_case(16, 128, torch.float32)
+    residual = x.flip(0)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+        fn(*leaves).backward(dy)
+        return [t.grad for t in leaves]
+
+    compiled = torch.compile(block, fullgraph=True, backend=COMPILE_BACKEND)
+    for got, want in zip(grads(compiled), grads(block)):
+        assert torch.equal(got, want)
+
+
+@requires_cuda
+def test_cuda_impl_refuses_gradients():
+    """impl='cuda' has no backward: where autograd would record the call it raises instead of
+    returning outputs cut off from the graph; under no_grad it runs and matches HF's module."""
+    x, w, _ = make_case(8, 256, torch.bfloat16)
+    residual = torch.randn_like(x)
+    for needs_grad in (x, w, residual):
+        needs_grad.requires_grad_(True)
+        with pytest.raises(NotImplementedError, match="impl='cuda' has no backward"):
+            fused_add_rms_norm(x, residual, w, impl="cuda")
+        if needs_grad is not residual:
+            with pytest.raises(NotImplementedError, match="impl='cuda' has no backward"):
+                rms_norm(x, w, impl="cuda")
+        needs_grad.requires_grad_(False)
+    x.requires_grad_(True)
+    module = Qwen3RMSNorm(256).to(device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        assert_matches_hf(rms_norm(x, w, impl="cuda"), x.detach(), module)
+        y, s = fused_add_rms_norm(x, residual, w, impl="cuda")
+        assert torch.equal(s, residual + x) and not y.requires_grad
 
 
 @requires_cuda
