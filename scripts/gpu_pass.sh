@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
-#     bash scripts/gpu_pass.sh OUT [tests] [bench]      (no stage named: both, in that order)
+#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b]
+#                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
-#        about 4-5 minutes on one H200.
+#        about 4-5 minutes on one H200. gpu-tests: only the files with kernels or CUDA tests (~2-3 minutes).
 # bench: the RMSNorm benchmark (scripts/bench_rmsnorm.py), its log, and its JSON and plots as OUT/bench.tgz;
 #        about 4-5 minutes on one H200 (most of it compiling), less where the tests stage built the CUDA op.
+# decode-MODEL: scripts/bench_generate.py for one model at batch 1, 8, 32 and 64 (transformers at 1 and 64
+#        for 0.6b, at 1 for 8b: its compile takes about a minute per shape), rows added to OUT/decode-h200.json.
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
 set -u
 out=${1:?usage: bash scripts/gpu_pass.sh OUT [tests] [bench]}
 shift
-stages=${*:-tests bench}
+stages=${*:-tests bench decode-0.6b decode-8b}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
@@ -25,11 +28,20 @@ for stage in $stages; do
     tests)
       timeout 540 python -m pytest -q tests > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
+    gpu-tests)
+      timeout 540 python -m pytest -q tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
+        tests/test_model.py tests/test_generation.py $(ls tests/test_moe.py 2>/dev/null) > "$out/gpu-tests.log" 2>&1
+      tail -n 3 "$out/gpu-tests.log" ;;
     bench)
       timeout 540 python scripts/bench_rmsnorm.py --out "$out/bench" ${COMMIT:+--commit "$COMMIT"} > "$out/bench.log" 2>&1
       tail -n 5 "$out/bench.log"
       tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench" ;;
-    # decode: the decode benchmark (scripts/bench_generate.py) goes here, as its own stage.
+    decode-*)
+      model=${stage#decode-}
+      hf_batches=$([ "$model" = 0.6b ] && echo "1 64" || echo 1)
+      timeout 540 python scripts/bench_generate.py --models "$model" --batches 1 8 32 64 --hf-batches $hf_batches \
+        --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
+      grep '^{' "$out/decode.log" | tail -n 12 ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   echo "== $stage took $((SECONDS - start)) s"

@@ -163,7 +163,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--norm", default="auto", help="RMSNorm implementation (triton on CUDA by default)")
+    p.add_argument("--norm", default="auto", choices=("auto", "torch", "triton"),
+                   help="RMSNorm implementation (triton on CUDA by default; the cuda impl has no backward)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-train-files", type=int, default=None, help="train on the first N files only (quick runs)")
