@@ -20,10 +20,17 @@ __all__ = ["gemv"]
 
 
 def gemv_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): few outputs per program and long strides along K, so that
-    many programs stream 2-4 KiB pieces of W rows at once (the best of a sweep on the H200 for
-    every Qwen3-0.6B and -8B projection, docs/benchmarks/decode-notes.md)."""
-    return (2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4
+    """(BLOCK_N, BLOCK_K, num_warps). Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 outputs per
+    program and 1024-wide strides along K, so that many programs stream at once. Large ones (8B's):
+    programs of 4-32 outputs, enough to cover the SMs twice, 512 wide: fewer programs re-read the
+    input row (the gated down projection recomputes silu(gate) * up in each). Each the faster
+    of the two in whole-model decoding on the H200 (docs/benchmarks/decode-notes.md)."""
+    if N * K < 8 * 2**20:
+        return (2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4
+    block_n = 4
+    while block_n < 32 and N // (block_n * 2) >= 264:
+        block_n *= 2
+    return block_n, min(512, triton.next_power_of_2(K)), 4
 
 
 @triton.jit
