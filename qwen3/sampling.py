@@ -17,11 +17,11 @@ def _finite(value) -> bool:
 # What each parameter must be: a test and its wording. SamplingParams checks its fields with these,
 # and scripts/generate.py checks each flag with them before it loads a model.
 RULES = {
-    "temperature": (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0 = greedy)"),
+    "temperature": (lambda v: _finite(v) and v >= 0, ">= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 = off)"),
     "top_p": (lambda v: _finite(v) and 0 < v <= 1, "in (0, 1] (1 = off)"),
     "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1] (0 = off)"),
-    "repetition_penalty": (lambda v: _finite(v) and v > 0, "a finite number > 0 (1 = off)"),
+    "repetition_penalty": (lambda v: _finite(v) and v > 0, "> 0 and finite (1 = off)"),
     "presence_penalty": (lambda v: _finite(v), "a finite number (0 = off)"),
 }
 

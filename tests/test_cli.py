@@ -131,9 +131,9 @@ MISTAKES = {
     **{f"device {d}": (["--device", d], f"device {d} is not available") for d in ABSENT_CUDA},
     "device gpu": (["--device", "gpu"], "unknown device 'gpu'"),
     "device mps": (["--device", "mps"], "device mps is not available"),
-    "temperature nan": (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0"),
-    "temperature inf": (["--temperature", "inf"], "argument --temperature: must be a finite number >= 0"),
-    "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be a finite number >= 0"),
+    "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
+    "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
+    "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite"),
     # Named as typed, and checked before any model loads: the missing model is never reached.
     "top-p 0, no model": (["--top-p", "0", "--model", "{no_config}"], "argument --top-p: must be in (0, 1]"),
     "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
