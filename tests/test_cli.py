@@ -195,7 +195,7 @@ def start_cli(*args) -> subprocess.Popen:
 
 def test_ctrl_c_while_generating_is_one_line_and_status_130(model_dir):
     cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
-                    "--max-new-tokens", "400")
+                    "--max-new-tokens", "400", "--device", "cpu")
     assert cli.stdout.read(1), "no text before the interrupt"  # generating
     cli.send_signal(signal.SIGINT)
     _, stderr = cli.communicate(timeout=120)
@@ -206,7 +206,7 @@ def test_ctrl_c_while_generating_is_one_line_and_status_130(model_dir):
 def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
     """As `| head -c 1`: the reader closes the pipe while text still comes."""
     cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
-                    "--max-new-tokens", "400")
+                    "--max-new-tokens", "400", "--device", "cpu")
     assert cli.stdout.read(1)
     cli.stdout.close()
     stderr = cli.stderr.read().decode()
