@@ -104,8 +104,8 @@ def load_model(
 
     dtype: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), or "auto" for the checkpoint's
     dtype; default float32 on the CPU and the checkpoint's dtype on a GPU. device: "cpu", "cuda",
-    "cuda:1"... norm_impl: the RMSNorm implementation (default config.json's, else "auto": triton
-    on CUDA, torch on the CPU). progress: a bar on stderr, once loading has taken over a second.
+    "cuda:1"... norm_impl: the RMSNorm implementation (default "auto": triton on CUDA, torch on
+    the CPU). progress: a bar on stderr, once loading has taken over a second.
     Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
     naming the file and the key.
     """
@@ -124,7 +124,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     params = dict(model.named_parameters())  # tied: lm_head.weight is not listed separately
 
-    # Check every key and shape before copying anything.
+    # Check every key, shape and dtype before copying anything.
     shards = checkpoint_files(path)
     plan: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
