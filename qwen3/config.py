@@ -12,6 +12,8 @@ from pathlib import Path
 import ops
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+# The sizes a config.json must state; every other field has Qwen3's default, as in transformers.
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -53,9 +55,13 @@ class Qwen3Config:
             )
 
     @classmethod
-    def from_dict(cls, raw: dict, **overrides) -> "Qwen3Config":
-        """Build from a config.json dict, checking that it describes a model this code can run."""
+    def from_dict(cls, raw: dict, source: str = "the config", **overrides) -> "Qwen3Config":
+        """Build from a config.json dict, checking that it describes a model this code can run.
+        `source` names the dict in error messages (from_json passes the file's path)."""
         raw = dict(raw)
+        missing = [key for key in REQUIRED if key not in raw]
+        if missing:
+            raise ValueError(f"{source} is missing {', '.join(map(repr, missing))}")
         architectures = raw.get("architectures") or ["Qwen3ForCausalLM"]
         model_type = raw.get("model_type", "qwen3")
         if architectures != ["Qwen3ForCausalLM"] or model_type != "qwen3":
@@ -74,6 +80,10 @@ class Qwen3Config:
         rope = dict(raw.pop("rope_parameters", None) or raw.get("rope_scaling") or {})
         rope_theta = rope.pop("rope_theta", raw.get("rope_theta", cls.rope_theta))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type == "yarn":  # transformers' default for the pretraining context YaRN stretches
+            rope.setdefault("original_max_position_embeddings",
+                            raw.get("original_max_position_embeddings",
+                                    raw.get("max_position_embeddings", cls.max_position_embeddings)))
         raw["rope_theta"] = rope_theta
         raw["rope_scaling"] = {"rope_type": rope_type, **rope} if rope_type != "default" else None
         raw["dtype"] = raw.get("dtype") or raw.pop("torch_dtype", None) or cls.dtype
@@ -95,7 +105,7 @@ class Qwen3Config:
             raise FileNotFoundError(f"no config.json at {path}") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON: {err}") from None
-        return cls.from_dict(raw, **overrides)
+        return cls.from_dict(raw, source=str(path), **overrides)
 
     def to_dict(self) -> dict:
         return asdict(self)

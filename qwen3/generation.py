@@ -42,6 +42,15 @@ def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, c
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists of different lengths as one batch, padded on the left with `pad`:
+    (input_ids [B, T], attention_mask [B, T], 1 = token)."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long)
+    return ids, mask
+
+
 def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
     """Run fn on a side stream so that every kernel it launches (Triton's included) is compiled
     and loaded before a CUDA graph captures it, as torch.cuda.graph asks."""

@@ -13,11 +13,57 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+import ops
+
 from .config import Qwen3Config
 from .model import Qwen3ForCausalLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# safetensors' names of the dtypes a parameter may be stored in; the copy casts them to the model's.
+FLOAT_STORAGE = ("F32", "BF16", "F16", "F64")
+# A progress bar appears once loading has taken this long, so that small checkpoints show none.
+PROGRESS_AFTER_S = 1.0
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """torch.device(device), refused with a ValueError unless tensors can be made there."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; expected 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {device} is not available: {why} (torch {torch.__version__}); use 'cpu'")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {device} is not available: this machine has {count} CUDA GPU(s), "
+                             f"cuda:0 to cuda:{count - 1}")
+    elif device.type != "cpu":
+        try:
+            torch.empty(0, device=device)
+        except Exception:  # each backend fails in its own way (NotImplementedError, RuntimeError...)
+            raise ValueError(f"device {device} is not available here; use 'cpu' or 'cuda'") from None
+    return device
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, checkpoint_dtype: str) -> torch.dtype:
+    """The dtype to load in: `dtype` as a torch.dtype or a name ("bfloat16", "torch.bfloat16"), or
+    "auto" for the checkpoint's. None means float32 on the CPU, where 16-bit matmuls run several
+    times slower than fp32 ones on most processors, and the checkpoint's dtype (bf16 for Qwen3)
+    on a GPU; transformers' default is "auto" on every device."""
+    if dtype is None:
+        dtype = "float32" if device.type == "cpu" else "auto"
+    if dtype == "auto":
+        dtype = checkpoint_dtype
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in DTYPES.values():
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(DTYPES)}, 'auto' "
+                         "or the torch.dtype of one of them")
+    return dtype
 
 
 def checkpoint_files(path: Path) -> dict[str, list[str]]:
@@ -48,16 +94,28 @@ def _open(file: Path):
 
 def load_model(
     path: str | Path,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     norm_impl: str | None = None,
     progress: bool = True,
 ) -> Qwen3ForCausalLM:
+    """The checkpoint in directory `path` as a Qwen3ForCausalLM in eval mode, with its
+    generation_config.json (if any) as `model.generation_config`.
+
+    dtype: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), or "auto" for the checkpoint's
+    dtype; default float32 on the CPU and the checkpoint's dtype on a GPU. device: "cpu", "cuda",
+    "cuda:1"... norm_impl: the RMSNorm implementation (default "auto": triton on CUDA, torch on
+    the CPU). progress: a bar on stderr, once loading has taken over a second.
+    Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
+    naming the file and the key.
+    """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist")
+    device = resolve_device(device)
     config = Qwen3Config.from_json(path, **({"norm_impl": norm_impl} if norm_impl else {}))
-    dtype = dtype or getattr(torch, config.dtype)
+    dtype = resolve_dtype(dtype, device, config.dtype)
+    ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
 
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config).to(dtype)
@@ -66,7 +124,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
 
-    # Check every key and shape before copying anything.
+    # Check every key, shape and dtype before copying anything.
     shards = checkpoint_files(path)
     plan: list[tuple[str, list[str]]] = []
     seen: set[str] = set()
@@ -83,12 +141,17 @@ def load_model(
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the head is the embedding matrix
                 if key not in params:
-                    raise ValueError(f"unexpected tensor {key} in {shard}: no such parameter in Qwen3")
-                shape = tuple(f.get_slice(key).get_shape())
+                    raise ValueError(f"unexpected tensor {key} in {shard}: the model config.json describes "
+                                     "has no such parameter")
+                stored = f.get_slice(key)
+                shape = tuple(stored.get_shape())
                 if shape != tuple(params[key].shape):
                     raise ValueError(
                         f"tensor {key} in {shard} has shape {shape}, expected {tuple(params[key].shape)}"
                     )
+                if stored.get_dtype() not in FLOAT_STORAGE:
+                    raise ValueError(f"tensor {key} in {shard} has dtype {stored.get_dtype()}, expected a "
+                                     f"floating-point one ({', '.join(FLOAT_STORAGE)})")
                 to_copy.append(key)
             seen.update(to_copy)
             plan.append((shard, to_copy))
@@ -97,11 +160,14 @@ def load_model(
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
-    with torch.no_grad():
-        for shard, keys in tqdm(plan, desc="loading shards", unit="shard", disable=not progress):
+    total = sum(params[key].nbytes for _, keys in plan for key in keys)
+    with torch.no_grad(), tqdm(total=total, desc="loading weights", unit="B", unit_scale=True,
+                               delay=PROGRESS_AFTER_S, disable=not progress) as bar:
+        for shard, keys in plan:
             with _open(path / shard) as f:
                 for key in keys:
                     params[key].copy_(f.get_tensor(key))
+                    bar.update(params[key].nbytes)
     generation_config = path / "generation_config.json"
     if generation_config.exists():
         model.generation_config = json.loads(generation_config.read_text())

@@ -421,8 +421,9 @@ class Qwen3ForCausalLM(nn.Module):
         """Load a Hugging Face Qwen3 checkpoint directory (config.json, model.safetensors or a
         sharded model.safetensors.index.json, optionally generation_config.json).
 
-        dtype: a torch dtype or its name ("bfloat16", "float32", "float16"); None: see
-            qwen3.loader.load_model for the default.
+        dtype: a torch dtype or its name ("bfloat16", "float32", "float16"), or "auto" for the
+            checkpoint's; None: float32 on the CPU (where 16-bit matmuls run several times
+            slower), the checkpoint's on a GPU.
         device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device).
         norm_impl: "auto" | "torch" | "triton" | "cuda": the RMSNorm implementation of every norm
             ("auto": triton on CUDA, torch elsewhere; default: the config's, else "auto").

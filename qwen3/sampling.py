@@ -4,9 +4,32 @@ The order is transformers': repetition/presence penalties, temperature, top-k, t
 Temperature 0 means greedy (argmax of the penalized logits).
 """
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# What each parameter must be: a test and its wording. SamplingParams checks its fields with these,
+# and scripts/generate.py checks each flag with them before it loads a model.
+RULES = {
+    "temperature": (lambda v: _finite(v) and v >= 0, ">= 0 and finite (0 = greedy)"),
+    "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda v: _finite(v) and 0 < v <= 1, "in (0, 1] (1 = off)"),
+    "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1] (0 = off)"),
+    "repetition_penalty": (lambda v: _finite(v) and v > 0, "> 0 and finite (1 = off)"),
+    "presence_penalty": (lambda v: _finite(v), "a finite number (0 = off)"),
+}
+
+
+def problem(name: str, value) -> str | None:
+    """What is wrong with `value` for the sampling parameter `name` ("must be ..., got ..."), or None."""
+    test, must = RULES[name]
+    return None if test(value) else f"must be {must}, got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -19,16 +42,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from the logit of every token already present
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for field in fields(self):
+            wrong = problem(field.name, getattr(self, field.name))
+            if wrong:
+                raise ValueError(f"{field.name} {wrong}")
 
     @property
     def greedy(self) -> bool:

@@ -1,15 +1,26 @@
 """Text in and out: the checkpoint's tokenizer, the chat prompt, and streaming detokenization."""
 
-from pathlib import Path
+from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer, from its tokenizer.json (Qwen3 checkpoints ship one)."""
     path = Path(path)
-    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-        raise FileNotFoundError(f"no tokenizer.json in {path}")
-    return AutoTokenizer.from_pretrained(str(path))
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}: the checkpoint's tokenizer must come "
+                                "in Hugging Face tokenizers' format, as Qwen3 checkpoints ship it")
+    from transformers import AutoTokenizer  # on first use: importing transformers takes most of a second
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # transformers reads config.json too, and raises many kinds of errors
+        raise ValueError(f"transformers cannot load the tokenizer (it reads config.json too): {err}") from err
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = True, thinking: bool = True) -> list[int]:

@@ -1,92 +1,153 @@
 """Generate text with a Qwen3 checkpoint: python scripts/generate.py --prompt "def fibonacci(n):"
 
-Text streams to stdout as it is produced; prompt tokens, prefill time, decode speed and peak
-memory go to stderr. Without --model it uses the small model shipped in weights/.
+One prompt's text streams to stdout as it is produced; a batch prints each prompt's text when all
+are done. Prompt tokens, prefill time, decode speed and peak memory go to stderr. Without --model
+it uses the small model shipped in weights/. A mistake ends in one line on stderr: exit status 2
+for a bad flag, 1 for any other error, 130 on Ctrl-C.
 """
 
 import argparse
+import os
 import resource
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+PROG = "generate.py"
 
-from ops import IMPLS  # noqa: E402
-from qwen3 import Qwen3ForCausalLM  # noqa: E402
-from qwen3.text import TextStream, load_tokenizer, prompt_ids  # noqa: E402
+
+def interrupted() -> int:
+    print(f"{PROG}: interrupted", file=sys.stderr)
+    return 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere else
+    import torch
+
+    from ops import IMPLS, resolve_impl
+    from qwen3 import Qwen3ForCausalLM
+    from qwen3.generation import pad_left, resolve_eos
+    from qwen3.loader import DTYPES, resolve_device
+    from qwen3.sampling import problem
+    from qwen3.text import TextStream, load_tokenizer, prompt_ids
+except KeyboardInterrupt:
+    sys.exit(interrupted())
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FROM_CHECKPOINT = "default: the checkpoint's generation_config.json, else"
+
+
+def fail(message: object) -> NoReturn:
+    """Exit with status 1 and the message on one line of stderr."""
+    sys.exit(f"{PROG}: error: {' '.join(str(message).split())}")
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """A bad flag is one line too (argparse's default prints the usage before it); status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def sampling_flag(name: str, parse):
+    """An argparse type for the flag of sampling parameter `name`: checked by qwen3.sampling's rule
+    while the flags are parsed, before any model loads, and reported under the flag's name."""
+
+    def convert(text: str):
+        value = parse(text)
+        wrong = problem(name, value)
+        if wrong:
+            raise argparse.ArgumentTypeError(wrong)
+        return value
+
+    convert.__name__ = parse.__name__  # argparse names it in "invalid float value: 'x'"
+    return convert
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
-    p.add_argument("--prompt-file", type=Path, help="a file with one prompt per line (a batch)")
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (HF layout)")
-    p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: generation_config)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--presence-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
-                   help="replay each decode step from a CUDA graph captured once (CUDA only; default: off)")
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat it for a batch")
+    p.add_argument("--prompt-file", type=Path, metavar="FILE",
+                   help="a file with one prompt per line (blank lines skipped), added to the batch after any --prompt")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, metavar="DIR",
+                   help="checkpoint directory in Hugging Face layout (default: weights/qwen3-stdlib-tiny)")
+    p.add_argument("--norm", choices=IMPLS, default="auto",
+                   help="RMSNorm implementation; auto: triton on CUDA, torch on the CPU (default: auto)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+                   help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                   help="at most this many new tokens (default: 128)")
+    p.add_argument("--temperature", type=sampling_flag("temperature", float), metavar="T",
+                   help=f"0 = greedy ({FROM_CHECKPOINT} 1)")
+    p.add_argument("--top-k", type=sampling_flag("top_k", int), metavar="K",
+                   help=f"sample from the k most likely tokens; 0 = off ({FROM_CHECKPOINT} 0)")
+    p.add_argument("--top-p", type=sampling_flag("top_p", float), metavar="P",
+                   help=f"sample from the most likely tokens that hold this probability; 1 = off ({FROM_CHECKPOINT} 1)")
+    p.add_argument("--min-p", type=sampling_flag("min_p", float), metavar="P",
+                   help=f"drop tokens less likely than this fraction of the best one; 0 = off ({FROM_CHECKPOINT} 0)")
+    p.add_argument("--repetition-penalty", type=sampling_flag("repetition_penalty", float), metavar="R",
+                   help=f"penalize tokens already present: divide their positive logits by R, multiply "
+                        f"their negative ones; 1 = off ({FROM_CHECKPOINT} 1)")
+    p.add_argument("--presence-penalty", type=sampling_flag("presence_penalty", float), metavar="P",
+                   help=f"subtract from the logits of tokens already present; 0 = off ({FROM_CHECKPOINT} 0)")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="makes sampling reproducible (default: none)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each decode step from a CUDA graph captured once (default: on with CUDA; "
+                        "--no-cuda-graph runs the step eagerly)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
                    help="let the model think first (Qwen3's enable_thinking; default: on)")
     args = p.parse_args(argv)
+    if args.prompt and "" in args.prompt:
+        p.error("--prompt must not be empty")
     if args.prompt_file:
         try:
-            args.prompt = (args.prompt or []) + [line for line in args.prompt_file.read_text().splitlines() if line]
-        except OSError as err:
+            lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as err:
             p.error(f"cannot read --prompt-file: {err}")
+        if not lines:
+            p.error(f"--prompt-file {args.prompt_file} has no prompts: it is empty or blank")
+        args.prompt = (args.prompt or []) + lines
     if not args.prompt:
         p.error("give at least one --prompt (or --prompt-file)")
     if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     return args
 
 
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
-
-
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if not args.model.is_dir():
-        sys.exit(f"generate.py: error: no model directory at {args.model} (pass --model DIR with a "
-                 "Hugging Face Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
+def run(args: argparse.Namespace) -> None:
+    try:
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as err:
+        fail(f"--device: {err}")
+    try:
+        norm = resolve_impl(args.norm, device)
+    except ValueError as err:
+        fail(f"--norm {args.norm}: {err}")
+    if not (args.model / "config.json").is_file():
+        fail(f"no model at {args.model}: it has no config.json (pass --model DIR with a Hugging Face "
+             "Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
     try:
         tokenizer = load_tokenizer(args.model)
-        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype, device=device, norm_impl=args.norm,
-                                                 progress=False)
-    except (OSError, ValueError, KeyError) as err:
-        sys.exit(f"generate.py: error: cannot load {args.model}: {err}")
+        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device, norm_impl=args.norm)
+    except (OSError, ValueError, torch.OutOfMemoryError) as err:
+        fail(f"cannot load {args.model}: {err}")
 
     rows = [prompt_ids(tokenizer, p, chat=args.chat, thinking=args.thinking) for p in args.prompt]
-    config_eos = model.generation_config.get("eos_token_id")
-    config_eos = [config_eos] if isinstance(config_eos, int) else list(config_eos or [])
-    eos = {tokenizer.eos_token_id, *config_eos} - {None}
+    for prompt, row in zip(args.prompt, rows):
+        if not row:
+            fail(f"the prompt {prompt!r} encodes to no tokens")
+    eos = {tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
-    input_ids, attention_mask = left_pad(rows, pad)
+    input_ids, attention_mask = pad_left(rows, pad)
 
     streams = [TextStream(tokenizer) for _ in rows]
+    texts: list[list[str]] = [[] for _ in rows]  # each row's text, piece by piece
     stamps: list[float] = []
     finished = [False] * len(rows)
 
@@ -96,10 +157,10 @@ def main(argv=None) -> None:
             if finished[i]:
                 continue
             finished[i] = token in eos
-            piece = streams[i].push(token)
-            if len(rows) == 1 and piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            texts[i].append(streams[i].push(token))
+        if len(rows) == 1 and texts[0][-1]:
+            sys.stdout.write(texts[0][-1])
+            sys.stdout.flush()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -112,13 +173,15 @@ def main(argv=None) -> None:
             repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
             cuda_graph=args.cuda_graph,
         )
-    except ValueError as err:
-        sys.exit(f"generate.py: error: {err}")
+    except (ValueError, torch.OutOfMemoryError) as err:
+        fail(err)
+    for stream, text in zip(streams, texts):
+        text.append(stream.flush())  # what push held back: an unfinished multi-byte character
     if len(rows) == 1:
-        sys.stdout.write(streams[0].flush() + "\n")
+        sys.stdout.write(texts[0][-1] + "\n")
     else:
-        for i, (prompt, stream) in enumerate(zip(args.prompt, streams)):
-            sys.stdout.write(f"=== [{i}] {prompt}\n{stream.flush()}\n")
+        for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
+            sys.stdout.write(f"=== [{i}] {prompt}\n{''.join(text)}\n")
     sys.stdout.flush()
 
     prefill_ms = (stamps[0] - start) * 1e3
@@ -128,13 +191,27 @@ def main(argv=None) -> None:
         peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB GPU"
     else:
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB RSS"
+    dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
     print(
-        f"[{len(rows)} prompt(s), {input_ids.numel()} prompt tokens, prefill {prefill_ms:.1f} ms, "
+        f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "
         f"{decode_steps} decode steps at {decode_rate:.1f} steps/s ({decode_rate * len(rows):.1f} tok/s), "
-        f"peak {peak}, {device} {str(dtype).removeprefix('torch.')}, norm {args.norm}]",
+        f"peak {peak}, {device} {dtype}, norm {norm}]",
         file=sys.stderr,
     )
 
 
+def main(argv=None) -> int:
+    try:
+        run(parse_args(argv))
+    except KeyboardInterrupt:
+        return interrupted()
+    except BrokenPipeError:
+        # The reader of stdout has gone (`| head`): stop quietly, as cat does. stdout now points
+        # at devnull, so that the interpreter's last flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for cat stopped the same way
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,9 +15,7 @@ import torch  # noqa: E402
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 
-requires_cuda = pytest.mark.skipif(
-    DEVICE.type != "cuda", reason="needs a CUDA GPU with TRITON_INTERPRET=0 (run on the lent H200)"
-)
+requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (and TRITON_INTERPRET=0)")
 
 
 @pytest.fixture

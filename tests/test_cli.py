@@ -1,13 +1,18 @@
 """scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here."""
 
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import hf_model, save, save_tokenizer
 
+from ops import resolve_impl
 from qwen3.text import TextStream, load_tokenizer, prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +52,19 @@ def test_stream_never_splits_a_multibyte_character(model_dir):
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_flush_returns_what_push_held_back():
+    """The stream ends inside a character (é's last byte-token never comes): flush gives it out."""
+    tok = load_tokenizer(ROOT / "weights" / "qwen3-stdlib-tiny")  # byte-level BPE: é is two byte-tokens
+    ids = tok("café", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ids[-2:]) == ["Ã", "©"]  # é's bytes C3 A9
+    stream = TextStream(tok)
+    assert [stream.push(t) for t in ids[:-1]] == ["ca", "f", ""]
+    assert stream.flush() == "\ufffd"
+    assert stream.flush() == ""
+    whole = TextStream(tok)
+    assert "".join(whole.push(t) for t in ids) == "café" and whole.flush() == ""
+
+
 def test_generates_and_reports_timing(model_dir):
     result = run_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
                      "--temperature", "0", "--no-chat", "--norm", "triton")
@@ -59,27 +77,141 @@ def test_generates_and_reports_timing(model_dir):
     assert len(greedy.strip()) > 0
 
 
-def test_batch_of_prompts_and_seeded_sampling(model_dir, tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("import os\nfor i in range(3):\n")
-    args = ["--model", str(model_dir), "--prompt-file", str(prompts), "--max-new-tokens", "8", "--seed", "7",
-            "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--chat", "--no-thinking"]
+def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_path):
+    """Each row of a batch (one --prompt, one from --prompt-file, of different lengths) prints the
+    text that its prompt alone prints; the summary counts the real prompt tokens, not padding."""
+    prompts = ["def add(a, b):", "x"]
+    greedy = ["--model", str(model_dir), "--max-new-tokens", "12", "--temperature", "0", "--no-chat",
+              "--device", "cpu"]
+    alone = [run_cli(*greedy, "--prompt", p) for p in prompts]
+    for result in alone:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip(), "no text generated"
+    (tmp_path / "prompts.txt").write_text(prompts[1] + "\n")
+    batch = run_cli(*greedy, "--prompt", prompts[0], "--prompt-file", str(tmp_path / "prompts.txt"))
+    assert batch.returncode == 0, batch.stderr
+    assert batch.stdout == "".join(f"=== [{i}] {p}\n{r.stdout}" for i, (p, r) in enumerate(zip(prompts, alone)))
+    tok = load_tokenizer(model_dir)
+    n_tokens = sum(len(prompt_ids(tok, p, chat=False)) for p in prompts)
+    assert f"[2 prompt(s), {n_tokens} prompt tokens," in batch.stderr
+    assert "norm torch]" in batch.stderr  # auto, resolved for the CPU
+
+
+def test_seeded_sampling_repeats(model_dir):
+    args = ["--model", str(model_dir), "--prompt", "import os", "--prompt", "for i in range(3):",
+            "--max-new-tokens", "8", "--seed", "7", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
+            "--chat", "--no-thinking"]
     first, second = run_cli(*args), run_cli(*args)
     assert first.returncode == 0, first.stderr
-    assert "=== [0] import os" in first.stdout and "=== [1] for i in range(3):" in first.stdout
+    assert "=== [0] import os\n" in first.stdout and "=== [1] for i in range(3):\n" in first.stdout
     assert first.stdout == second.stdout
 
 
-def test_bad_flags_and_missing_model_are_one_line_errors(tmp_path):
-    bad = run_cli("--prompt", "x", "--top-k", "lots")
-    assert bad.returncode == 2 and "invalid int value" in bad.stderr
-    missing = run_cli("--model", str(tmp_path / "nothing"), "--prompt", "x")
-    assert missing.returncode != 0 and "Traceback" not in missing.stderr
-    assert "no model directory" in missing.stderr
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "config.json").write_text("{not json")
-    broken = run_cli("--model", str(tmp_path / "broken"), "--prompt", "x")
-    assert broken.returncode != 0 and "Traceback" not in broken.stderr and "error" in broken.stderr
+def test_auto_norm_is_triton_on_cuda_and_torch_on_the_cpu():
+    assert resolve_impl("auto", torch.device("cuda")) == "triton"
+    assert resolve_impl("auto", torch.device("cuda", 1)) == "triton"
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+
+
+def test_help_shows_the_defaults():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    options = result.stdout.split("options:")[1]
+    for flag in ("--model", "--norm", "--device", "--dtype", "--max-new-tokens", "--temperature", "--top-k",
+                 "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty", "--seed", "--cuda-graph",
+                 "--chat", "--thinking"):
+        text = " ".join(options.split(flag, 1)[1].split("\n  --", 1)[0].split())
+        assert "(default: " in text or "; default: " in text, f"{flag} does not say its default"
+
+
+# A user's mistakes, each ending in one line on stderr (no traceback) and a non-zero exit status.
+ABSENT_CUDA = ["cuda", "cuda:1"] if not torch.cuda.is_available() else [f"cuda:{torch.cuda.device_count()}"]
+MISTAKES = {
+    "empty prompt": (["--prompt", ""], "--prompt must not be empty"),
+    **{f"device {d}": (["--device", d], f"device {d} is not available") for d in ABSENT_CUDA},
+    "device gpu": (["--device", "gpu"], "unknown device 'gpu'"),
+    "device mps": (["--device", "mps"], "device mps is not available"),
+    "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
+    "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
+    "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite"),
+    # Named as typed, and checked before any model loads: the missing model is never reached.
+    "top-p 0, no model": (["--top-p", "0", "--model", "{no_config}"], "argument --top-p: must be in (0, 1]"),
+    "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+    "max-new-tokens < 0": (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
+    "empty prompt file": (["--prompt-file", "{empty}"], "has no prompts"),
+    "no config.json": (["--model", "{no_config}"], "it has no config.json"),
+    "no tokenizer.json": (["--model", "{no_tokenizer}"], "no tokenizer.json in"),
+    "config key missing": (["--model", "{no_hidden_size}"], "config.json is missing 'hidden_size'"),
+    "config disagrees with the tensors": (["--model", "{narrow_mlp}"],
+                                          "model.layers.0.mlp.down_proj.weight in model.safetensors has shape "
+                                          "(64, 160), expected (64, 128)"),
+    "config transformers refuses": (["--model", "{fewer_layers}"], "num_hidden_layers"),
+}
+
+
+def broken_copy(model_dir, path, drop=None, **config_changes):
+    """A copy of model_dir without the file `drop`, its config.json changed (None: key removed)."""
+    shutil.copytree(model_dir, path)
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(config_changes)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    if drop:
+        (path / drop).unlink()
+    return path
+
+
+@pytest.fixture(scope="module")
+def broken(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("broken")
+    (tmp / "empty.txt").write_text("\n  \n")
+    return {
+        "empty": tmp / "empty.txt",
+        "no_config": broken_copy(model_dir, tmp / "no_config", drop="config.json"),
+        "no_tokenizer": broken_copy(model_dir, tmp / "no_tokenizer", drop="tokenizer.json"),
+        "no_hidden_size": broken_copy(model_dir, tmp / "no_hidden_size", hidden_size=None),
+        "narrow_mlp": broken_copy(model_dir, tmp / "narrow_mlp", intermediate_size=128),
+        "fewer_layers": broken_copy(model_dir, tmp / "fewer_layers", num_hidden_layers=1),
+    }
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_a_mistake_ends_in_one_line_on_stderr(model_dir, broken, case):
+    args, message = MISTAKES[case]
+    result = run_cli("--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2", "--no-chat",
+                     *[a.format(**broken) for a in args])
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("generate.py: error: ") and message in result.stderr, result.stderr
+
+
+def start_cli(*args) -> subprocess.Popen:
+    """generate.py in the background, with Ctrl-C's default action (a shell may start it ignored)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_ctrl_c_while_generating_is_one_line_and_status_130(model_dir):
+    cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
+                    "--max-new-tokens", "400", "--device", "cpu")
+    assert cli.stdout.read(1), "no text before the interrupt"  # generating
+    cli.send_signal(signal.SIGINT)
+    _, stderr = cli.communicate(timeout=120)
+    assert cli.returncode == 130
+    assert stderr.decode() == "generate.py: interrupted\n"
+
+
+def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
+    """As `| head -c 1`: the reader closes the pipe while text still comes."""
+    cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
+                    "--max-new-tokens", "400", "--device", "cpu")
+    assert cli.stdout.read(1)
+    cli.stdout.close()
+    stderr = cli.stderr.read().decode()
+    assert cli.wait(timeout=120) == 141  # 128 + SIGPIPE, as the shell reports for cat
+    assert stderr == ""
 
 
 def test_prompt_longer_than_the_context_is_refused(model_dir):

@@ -1,6 +1,8 @@
 """The model shipped in weights/: it loads in transformers and in ours, they agree, and the
 README's first command runs on it."""
 
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +57,14 @@ def test_readme_first_command_runs_offline():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip(), "no text generated"
     assert "decode steps" in result.stderr
+
+
+def test_readme_greedy_example_prints_what_readme_shows():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### The shipped model", 1)[1]
+    command, shown = re.search(r"```bash\n(.+?)\n```.*?```text\n(.*?)```", section, re.DOTALL).groups()
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "scripts/generate.py"] and "--temperature" in argv
+    result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == shown

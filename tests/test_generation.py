@@ -7,6 +7,7 @@ from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import KVCache, Qwen3ForCausalLM
+from qwen3.generation import pad_left
 
 NEW_TOKENS = 40
 
@@ -25,10 +26,8 @@ def prompts(lengths, vocab, seed=0):
 
 
 def left_pad(rows, pad=0):
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=DEVICE)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=DEVICE)
-    return ids, mask
+    ids, mask = pad_left(rows, pad)
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def hf_greedy(reference, ids, mask):

@@ -4,9 +4,11 @@ import json
 
 import pytest
 import torch
-from checkpoints import hf_model, save
+import transformers
+from checkpoints import hf_config, hf_model, save
 from safetensors.torch import load_file, save_file
 
+import qwen3.loader
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
@@ -31,8 +33,9 @@ def edit_config(path, **changes):
 
 
 def test_old_and_new_config_field_names_agree():
-    new = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "bfloat16",
+    new = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 384, "hidden_size": 64,
+           "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 32, "dtype": "bfloat16",
            "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
                                "original_max_position_embeddings": 32768}}
     old = {**{k: v for k, v in new.items() if k not in ("rope_parameters", "dtype")},
@@ -42,7 +45,24 @@ def test_old_and_new_config_field_names_agree():
     assert a == b
     assert a.rope_theta == 5e5 and a.dtype == "bfloat16"
     assert a.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
-    assert Qwen3Config.from_dict({"hidden_size": 64, "num_attention_heads": 4}).head_dim == 16
+    sizes = {k: new[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads")}
+    assert Qwen3Config.from_dict(sizes).head_dim == 16
+
+
+def test_yarn_without_its_original_context_takes_transformers_default():
+    raw = {**hf_config().to_dict(), "max_position_embeddings": 2048,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+    theirs = transformers.Qwen3Config(**raw).rope_parameters["original_max_position_embeddings"]
+    assert Qwen3Config.from_dict(raw).rope_scaling["original_max_position_embeddings"] == theirs == 2048
+
+
+def test_a_missing_size_is_named_with_the_file(checkpoint):
+    raw = json.loads((checkpoint / "config.json").read_text())
+    del raw["hidden_size"]
+    (checkpoint / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"ckpt/config.json is missing 'hidden_size'"):
+        load(checkpoint)
 
 
 @pytest.mark.parametrize(
@@ -142,3 +162,56 @@ def test_tied_checkpoint_shares_the_embedding(tmp_path):
     model = load(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not model.lm_head.weight.is_meta
+
+
+def test_default_dtype_is_float32_on_the_cpu_and_names_are_accepted(tmp_path):
+    path = save(hf_model(seed=2, dtype=torch.bfloat16), tmp_path)
+
+    def loaded_dtype(**kwargs) -> torch.dtype:
+        return Qwen3ForCausalLM.from_pretrained(path, progress=False, **kwargs).lm_head.weight.dtype
+
+    assert loaded_dtype() == torch.float32  # on the CPU, the default device
+    assert loaded_dtype(dtype="auto") == torch.bfloat16  # the checkpoint's
+    assert loaded_dtype(dtype="float16") == torch.float16
+    assert loaded_dtype(dtype="torch.bfloat16") == torch.bfloat16
+    assert loaded_dtype(dtype=torch.float16) == torch.float16
+    for bad in ("fp32", "float64", torch.int32):
+        with pytest.raises(ValueError, match="expected one of float32, bfloat16, float16, 'auto'"):
+            loaded_dtype(dtype=bad)
+
+
+def test_unknown_or_absent_devices_are_refused(checkpoint):
+    with pytest.raises(ValueError, match="unknown device 'gpu'; expected 'cpu', 'cuda' or 'cuda:N'"):
+        load(checkpoint, device="gpu")
+    absent = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"device {absent} is not available"):
+        load(checkpoint, device=absent)
+
+
+def test_a_non_float_tensor_is_refused(checkpoint):
+    key = "model.layers.0.post_attention_layernorm.weight"
+    rewrite(checkpoint, lambda t: t.update({key: t[key].to(torch.int32)}))
+    with pytest.raises(ValueError, match=f"tensor {key} in model.safetensors has dtype I32, expected a floating-point"):
+        load(checkpoint)
+
+
+def test_progress_shows_only_when_loading_takes_long(checkpoint, capfd, monkeypatch):
+    Qwen3ForCausalLM.from_pretrained(checkpoint, progress=True)
+    assert capfd.readouterr().err == ""  # a small checkpoint loads in well under the delay
+    monkeypatch.setattr(qwen3.loader, "PROGRESS_AFTER_S", 0.0)
+    Qwen3ForCausalLM.from_pretrained(checkpoint, progress=True)
+    assert "loading weights: 100%" in capfd.readouterr().err
+
+
+def test_generation_config_is_read_and_used_by_generate(checkpoint):
+    """do_sample false means greedy, and the file's repetition penalty applies: as in transformers."""
+    settings = {"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.3}
+    (checkpoint / "generation_config.json").write_text(json.dumps(settings))
+    model = load(checkpoint)
+    assert model.generation_config == settings
+    reference = hf_model(seed=0)  # the checkpoint's model
+    prompt = torch.tensor([[5, 17, 42, 99, 7]])
+    expected = reference.generate(prompt, max_new_tokens=24, do_sample=False, repetition_penalty=1.3)
+    assert torch.equal(model.generate(prompt, max_new_tokens=24), expected)
+    greedy = reference.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert not torch.equal(expected, greedy)  # the penalty matters here

@@ -156,8 +156,8 @@ def test_bf16_logits_close_to_transformers_bf16(tmp_path):
     """Both in bf16: same casts, different matmul/attention kernels (SDPA vs eager)."""
     reference = hf_model(seed=5, dtype=torch.bfloat16)
     save(reference, tmp_path)
-    model = Qwen3ForCausalLM.from_pretrained(tmp_path, device=DEVICE, progress=False)
-    assert model.lm_head.weight.dtype == torch.bfloat16  # the checkpoint's dtype by default
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype="auto", device=DEVICE, progress=False)
+    assert model.lm_head.weight.dtype == torch.bfloat16  # the checkpoint's dtype, with dtype="auto"
     ids = input_ids(reference.config.vocab_size, T=32)
     with torch.no_grad():
         expected = reference.to(DEVICE)(ids).logits.float()
