@@ -9,8 +9,8 @@ import transformers
 from checkpoints import save
 from conftest import DEVICE, requires_cuda
 from safetensors.torch import load_file, save_file
-from test_model import assert_layer_close, hf_causal_mask, hidden, input_ids
-from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+from test_model import assert_layer_close, hf_causal_mask, hidden, input_ids, kernels_run
+from tolerances import LAYER_FP32_ATOL, LAYER_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from ops.fused_moe import fused_moe, fused_moe_reference, routing_plan
@@ -163,6 +163,25 @@ def test_sparse_block(dtype, fused, routing):
         assert torch.equal(actual, expected)
 
 
+def test_sparse_block_gradients_match_transformers():
+    """The unfused path is the training path: gradients of the input, the router and the stacked
+    experts equal those of transformers' block (fp32)."""
+    model = hf_moe_model(seed=10).to(DEVICE)
+    theirs = model.model.layers[0].mlp
+    mine = SparseMoeBlock(our_config(model.config)).to(DEVICE)
+    mine.load_state_dict(theirs.state_dict())
+    probe = hidden(seed=1)
+    grads = []
+    for block, fused in ((theirs, None), (mine, False)):
+        x = hidden().requires_grad_()
+        out = block(x) if fused is None else block(x, fused)
+        (out * probe).sum().backward()
+        grads.append([x.grad] + [block.get_parameter(name).grad for name in
+                                 ("gate.weight", "experts.gate_up_proj", "experts.down_proj")])
+    for actual, expected in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(actual, expected, rtol=LAYER_FP32_RTOL, atol=LAYER_FP32_ATOL)
+
+
 def test_sparse_block_loads_a_checkpoint_layout_state_dict(tmp_path):
     """A state dict with one tensor per expert (the hub's layout) loads through the pre-hook."""
     model = hf_moe_model(seed=3, num_hidden_layers=1)
@@ -221,6 +240,17 @@ def test_logits_match_transformers(tmp_path, case, norm_impl):
         expected = reference.to(DEVICE)(ids).logits
         actual = model(ids)
     torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+
+
+def test_triton_norms_take_the_fused_moe_kernel():
+    """norm_impl="triton" without autograd is the fused path: the sparse block runs the Triton
+    kernel there (so the triton cases above test it), and the torch loop elsewhere."""
+    model = Qwen3ForCausalLM(our_config(hf_moe_config(num_hidden_layers=1), norm_impl="torch")).to(DEVICE)
+    ids = input_ids(model.config.vocab_size, B=1, T=4)
+    with torch.no_grad():
+        assert "qwen3_ops::fused_moe" not in kernels_run(lambda: model(ids))
+        model.set_norm_impl("triton")
+        assert "qwen3_ops::fused_moe" in kernels_run(lambda: model(ids))
 
 
 def test_sharded_checkpoint_with_hub_config_names(tmp_path):
