@@ -1,4 +1,4 @@
-"""Qwen3Config: the hyperparameters of a dense Qwen3, read from a Hugging Face config.json.
+"""Qwen3Config: the hyperparameters of a Qwen3 (dense or Qwen3-MoE), read from a Hugging Face config.json.
 
 Accepts both the old field names (rope_theta, rope_scaling, torch_dtype) and transformers 5's
 (rope_parameters, dtype). What the model cannot run is refused here, at load time, with a
@@ -6,7 +6,7 @@ message that says why, never run wrongly.
 """
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import ops
@@ -14,6 +14,7 @@ import ops
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # The sizes a config.json must state; every other field has Qwen3's default, as in transformers.
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SUPPORTED_MODELS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type: architecture
 
 
 @dataclass
@@ -38,6 +39,15 @@ class Qwen3Config:
     pad_token_id: int | None = None
     norm_impl: str = "auto"  # "auto" | "torch" | "triton" | "cuda": every RMSNorm in the model
 
+    # Mixture of experts (Qwen3-MoE, model_type "qwen3_moe"); num_experts = 0: every MLP is dense.
+    # Layer i is sparse unless i is in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (intermediate_size: the dense layers')
+    norm_topk_prob: bool = False  # renormalize the top-k routing probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         if self.norm_impl not in ops.IMPLS:
             raise ValueError(f"norm_impl must be one of {ops.IMPLS}, got {self.norm_impl!r}")
@@ -53,23 +63,38 @@ class Qwen3Config:
             raise ValueError(
                 f"rope scaling type {rope_type!r} is not implemented; supported: {SUPPORTED_ROPE_TYPES}"
             )
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                 f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError(
+                    f"moe_intermediate_size ({self.moe_intermediate_size}) and decoder_sparse_step "
+                    f"({self.decoder_sparse_step}) must be >= 1"
+                )
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "the config", **overrides) -> "Qwen3Config":
         """Build from a config.json dict, checking that it describes a model this code can run.
         `source` names the dict in error messages (from_json passes the file's path)."""
         raw = dict(raw)
+        model_type = raw.get("model_type", "qwen3")
+        architectures = raw.get("architectures") or [SUPPORTED_MODELS.get(model_type)]
+        if model_type not in SUPPORTED_MODELS or architectures != [SUPPORTED_MODELS[model_type]]:
+            raise ValueError(
+                f"unsupported model: architectures={architectures}, model_type={model_type!r}; this code runs "
+                + " and ".join(f"{arch} (model_type {kind!r})" for kind, arch in SUPPORTED_MODELS.items())
+                + " checkpoints only"
+            )
         missing = [key for key in REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"{source} is missing {', '.join(map(repr, missing))}")
-        architectures = raw.get("architectures") or ["Qwen3ForCausalLM"]
-        model_type = raw.get("model_type", "qwen3")
-        if architectures != ["Qwen3ForCausalLM"] or model_type != "qwen3":
-            kind = "Qwen3-MoE " if "moe" in f"{architectures}{model_type}".lower() else ""
-            raise ValueError(
-                f"unsupported {kind}model: architectures={architectures}, model_type={model_type!r}; "
-                "this code runs dense Qwen3ForCausalLM checkpoints only"
-            )
+        if model_type == "qwen3_moe":  # transformers 5 writes num_experts as num_local_experts; its defaults
+            experts = raw.pop("num_local_experts", None)
+            raw["num_experts"] = experts if experts is not None else raw.get("num_experts", 128)
+            raw.setdefault("num_experts_per_tok", 8)
+            raw.setdefault("moe_intermediate_size", 768)
+            raw["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; Qwen3 uses 'silu'")
         layer_types = set(raw.get("layer_types") or ["full_attention"])

@@ -5,7 +5,8 @@ K key/value heads (H % K == 0: grouped-query attention), hd head_dim, F intermed
 V vocab_size, P max_position_embeddings.
 
 Checkpoint keys are Hugging Face's. q/k/v and gate/up are each one matmul here (FusedLinear),
-whose rows the checkpoint's separate projections fill (`checkpoint_tensors`).
+whose rows the checkpoint's separate projections fill (`checkpoint_tensors`). A layer's MLP is
+dense (MLP) or, in a Qwen3-MoE model, the sparse block of router + experts (qwen3/moe.py).
 
 Two paths compute the same function. The unfused path is transformers' operations one by one
 (the reference, the training path, and what runs on the CPU). The fused path, taken for Triton
@@ -29,6 +30,7 @@ from ops.silu_mul import silu_mul
 
 from .cache import KVCache
 from .config import Qwen3Config
+from .moe import Experts, SparseMoeBlock, is_sparse_layer
 
 
 class RMSNorm(nn.Module):
@@ -295,7 +297,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
 
@@ -398,6 +400,7 @@ class Qwen3ForCausalLM(nn.Module):
         """{Hugging Face checkpoint key: the parameter, or the rows of a fused one, it fills}. The
         loader copies each checkpoint tensor into its entry; saving these gives a HF checkpoint."""
         fused = {name: module for name, module in self.named_modules() if isinstance(module, FusedLinear)}
+        experts = {name: module for name, module in self.named_modules() if isinstance(module, Experts)}
         tensors = {}
         for name, param in self.named_parameters():  # tied weights are listed once
             module, _, kind = name.rpartition(".")
@@ -405,6 +408,9 @@ class Qwen3ForCausalLM(nn.Module):
                 parent = module.rpartition(".")[0]
                 for part, rows in fused[module].part_rows(param).items():
                     tensors[f"{parent}.{part}.{kind}"] = rows
+            elif module in experts:  # stacked experts: one checkpoint tensor per expert and projection
+                for key, view in experts[module].checkpoint_views(kind, param).items():
+                    tensors[f"{module}.{key}"] = view
             else:
                 tensors[name] = param
         return tensors

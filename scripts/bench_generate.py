@@ -12,14 +12,16 @@ device: nothing is downloaded or written to disk) and each batch size: a random 
 decode_tok_s = rows x decode steps / time, leaving out the prefill (ours: from the timestamps of
 the streamed tokens, leaving out the first two decode steps, where ours captures its graph;
 transformers timed the same way through a streamer); prefill_ms = time to the first token. hbm_fraction =
-weight bytes x decode steps per second / the measured copy bandwidth (weights only: at large
-batches the KV cache adds reads this leaves out). Also times a --long-prompt-token prefill of
-ours against transformers' (SDPA).
+weight bytes read per decode step x decode steps per second / the measured copy bandwidth
+(weights only: at large batches the KV cache adds reads this leaves out; of a MoE model's
+experts, those that batch x k uniformly routed tokens are expected to hit: step_weight_bytes).
+Also times a --long-prompt-token prefill of ours against transformers' (SDPA).
 """
 
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -37,6 +39,10 @@ CONFIGS = {  # the real Qwen3 architectures
     "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
                max_position_embeddings=40960, rope_theta=1_000_000.0),
+    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                    max_position_embeddings=40960, rope_theta=1_000_000.0, num_experts=128,
+                    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -62,12 +68,46 @@ def copy_bandwidth_GBps(device) -> float:
     return 2 * x.numel() * 2 / sorted(times[5:])[len(times[5:]) // 2] / 1e9
 
 
+def hf_tensor(weights: dict, key: str) -> torch.Tensor:
+    """The tensor of checkpoint key `key` in a transformers model's state dict. transformers 5 holds
+    a Qwen3-MoE layer's experts stacked (experts.gate_up_proj [E, 2I, D], experts.down_proj
+    [E, D, I]) and writes one tensor per expert only when saving: slice those out."""
+    if key in weights:
+        return weights[key]
+    stem, expert, proj = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key).groups()
+    if proj == "down":
+        return weights[f"{stem}.down_proj"][int(expert)]
+    gate_up = weights[f"{stem}.gate_up_proj"][int(expert)]
+    return gate_up.chunk(2)[proj == "up"]
+
+
+def step_weight_bytes(model: Qwen3ForCausalLM, batch: int) -> float:
+    """Weight bytes one decode step reads: all of a dense model's; of a MoE layer's experts, the
+    expected share that batch x k uniformly routed tokens hit, 1 - (1 - k/E)^batch (the random
+    router of these benchmarks spreads tokens about evenly)."""
+    experts = {id(p) for name, p in model.named_parameters() if ".experts." in name}
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in experts)
+    if not expert_bytes:
+        return total
+    hit = 1 - (1 - model.config.num_experts_per_tok / model.config.num_experts) ** batch
+    return total - expert_bytes * (1 - hit)
+
+
 def build(name: str, device, dtype, norm: str):
-    """(transformers model, ours) with the same random weights, both on the device."""
+    """(transformers model, ours) with the same random weights, both on the device. Built in
+    `dtype` directly (no fp32 copy first: 30B-A3B's would not fit beside the bf16 one)."""
     torch.manual_seed(0)
-    hf_config = transformers.Qwen3Config(**CONFIGS[name])
-    with torch.device(device):
-        hf = transformers.Qwen3ForCausalLM(hf_config).to(dtype).eval()
+    moe = "num_experts" in CONFIGS[name]
+    hf_config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**CONFIGS[name])
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    hf = hf.to(dtype).eval()
     config = Qwen3Config.from_dict(hf_config.to_dict(), norm_impl=norm)
     with torch.device("meta"):
         ours = Qwen3ForCausalLM(config).to(dtype)
@@ -77,7 +117,7 @@ def build(name: str, device, dtype, norm: str):
     weights = hf.state_dict()
     with torch.no_grad():
         for key, tensor in ours.checkpoint_tensors().items():
-            tensor.copy_(weights[key])
+            tensor.copy_(hf_tensor(weights, key))
     return hf, ours.eval()
 
 
@@ -152,7 +192,7 @@ def main() -> None:
     results, prefills = [], []
     for name in args.models:
         hf, ours = build(name, device, dtype, args.norm)
-        weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
+        weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())  # resident
         gen = torch.Generator().manual_seed(0)
         for batch in args.batches:
             ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
@@ -173,7 +213,7 @@ def main() -> None:
                 row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
                            decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
                            weight_GB=round(weight_bytes / 1e9, 3),
-                           hbm_fraction=round(weight_bytes * steps / 1e9 / copy, 3))
+                           hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
                 results.append(row)
                 print(json.dumps(row), flush=True)
         if args.long_prompt:

@@ -68,8 +68,9 @@ def test_a_missing_size_is_named_with_the_file(checkpoint):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe"), "unsupported Qwen3-MoE model"),
-        (dict(architectures=["LlamaForCausalLM"], model_type="llama"), "dense Qwen3ForCausalLM"),
+        (dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3"), "unsupported model"),
+        (dict(architectures=["LlamaForCausalLM"], model_type="llama"),
+         r"runs Qwen3ForCausalLM \(model_type 'qwen3'\) and Qwen3MoeForCausalLM \(model_type 'qwen3_moe'\)"),
         (dict(hidden_act="gelu"), "unsupported hidden_act 'gelu'"),
         (dict(use_sliding_window=True, sliding_window=64), "sliding-window attention"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "'longrope' is not implemented"),

@@ -1,0 +1,208 @@
+"""A mixture-of-experts SwiGLU for routed tokens, as grouped GEMMs over the tokens sorted by expert.
+
+    y = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    # x [N, D]; w13 [E, 2I, D] = each expert's [gate | up] rows; w2 [E, D, I]
+    # topk_weights, topk_ids [N, k]: the experts each token is sent to, and their weights
+
+Each token goes to its k experts: y[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n]),
+expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
+
+1. Routing plan (torch ops on the device, no host sync, shapes from N, k and E alone): the N*k
+   (token, expert) pairs are sorted by expert; each expert's run of pairs is cut into tiles of
+   BLOCK_M rows. The number of tiles depends on the routing, so the grid is its upper bound
+   (N*k/BLOCK_M rounded up, plus one partly-filled tile per expert that has pairs) and tiles past
+   the last exit at once. A batch-1 decode step is then a fixed sequence of launches, which a
+   CUDA graph replays.
+2. gate/up: one program per (tile, BLOCK_N columns of I) gathers its tokens' rows of x and
+   multiplies them by its expert's gate and up rows; SiLU-and-multiply in the epilogue.
+3. down: the same tiles times w2[e], each row multiplied by its routing weight, written to its pair.
+4. combine: each token's k rows summed in increasing expert id.
+
+Rounding follows transformers' Qwen3MoeExperts in the weights' dtype: gate and up rounded, silu
+rounded, the product rounded; the down projection rounded, then times the routing weight
+(rounded); the k results added to zero one at a time in increasing expert id, each sum rounded
+(its index_add_ loop over the experts that received tokens).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_helpers import dot, round_to
+
+__all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
+
+
+def tile_config(pairs: int, D: int, I: int) -> tuple[int, int, int]:  # noqa: E741
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row tiles while few pairs share an expert (decode), 64 for
+    prefill; not tuned yet."""
+    return (16 if pairs <= 256 else 64), 64, 64
+
+
+def routing_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(order, tile_expert, tile_row0, tile_row_end) of the sorted (token, expert) pairs:
+    order [N*k]: the pair indices (n * k + j) sorted by expert id (stable);
+    tile_expert [tiles] int32: each tile's expert (num_experts: no tile, the program exits);
+    tile_row0, tile_row_end [tiles] int32: the tile's rows [row0, row_end) of `order`.
+    Only device-side torch ops whose shapes follow from the input's shape: no host sync."""
+    flat = topk_ids.reshape(-1).long()  # [N*k]
+    pairs = flat.numel()
+    order = torch.sort(flat, stable=True).indices.to(torch.int32)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E] pairs per expert (bincount would sync)
+    pair_start = counts.cumsum(0) - counts  # [E] each expert's first row in `order`
+    tiles = (counts + block_m - 1) // block_m  # [E]
+    tile_end = tiles.cumsum(0)
+    max_tiles = triton.cdiv(pairs, block_m) + min(num_experts, pairs)
+    t = torch.arange(max_tiles, device=flat.device)
+    tile_expert = torch.searchsorted(tile_end, t, right=True)  # [tiles] num_experts past the last tile
+    e = tile_expert.clamp(max=num_experts - 1)
+    row0 = pair_start[e] + (t - (tile_end[e] - tiles[e])) * block_m
+    row_end = torch.minimum(row0 + block_m, pair_start[e] + counts[e])
+    return order, tile_expert.to(torch.int32), row0.to(torch.int32), row_end.to(torch.int32)
+
+
+@triton.jit
+def _gate_up_kernel(X, W13, H, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW_END, D, I, E, TOP_K: tl.constexpr,  # noqa: E741
+                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """H[r, cols] = silu(x_r @ gate_e^T) * (x_r @ up_e^T) for the tile's sorted rows r."""
+    tile = tl.program_id(0)
+    expert = tl.load(TILE_EXPERT + tile)
+    if expert >= E:  # past the last tile of this routing
+        return
+    rows = tl.load(TILE_ROW0 + tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(TILE_ROW_END + tile)
+    token = (tl.load(ORDER + rows, mask=row_ok, other=0) // TOP_K).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    w = W13 + expert.to(tl.int64) * 2 * I * D
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < D
+        x = tl.load(X + token[:, None] * D + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(w + cols[None, :].to(tl.int64) * D + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        w_up = tl.load(w + (I + cols[None, :]).to(tl.int64) * D + k[:, None], mask=w_mask, other=0.0)
+        gate += dot(x, w_gate, IEEE)
+        up += dot(x, w_up, IEEE)
+    dtype = H.dtype.element_ty
+    gate = round_to(gate, dtype).to(tl.float32)
+    up = round_to(up, dtype).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    out = round_to(silu * up, dtype)
+    tl.store(H + rows[:, None].to(tl.int64) * I + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(H, W2, TOPK_WEIGHTS, Y, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW_END, D, I, E,  # noqa: E741
+                 IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[pair, cols] = (H[r] @ down_e^T) * weight[pair] for the tile's sorted rows r, pair = order[r]."""
+    tile = tl.program_id(0)
+    expert = tl.load(TILE_EXPERT + tile)
+    if expert >= E:
+        return
+    rows = tl.load(TILE_ROW0 + tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(TILE_ROW_END + tile)
+    pair = tl.load(ORDER + rows, mask=row_ok, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    w = W2 + expert.to(tl.int64) * D * I
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        h = tl.load(H + rows[:, None].to(tl.int64) * I + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_down = tl.load(w + cols[None, :].to(tl.int64) * I + k[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                         other=0.0)
+        acc += dot(h, w_down, IEEE)
+    dtype = Y.dtype.element_ty
+    weight = tl.load(TOPK_WEIGHTS + pair, mask=row_ok, other=0.0).to(tl.float32)
+    out = round_to(round_to(acc, dtype).to(tl.float32) * weight[:, None], dtype)
+    tl.store(Y + pair[:, None] * D + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(Y, TOPK_IDS, OUT, D, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[n] = the k rows Y[n * k + j] added to zero in increasing expert id, each sum rounded."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    j = tl.arange(0, K_POW2)
+    j_ok = j < TOP_K
+    ids = tl.load(TOPK_IDS + n * TOP_K + j, mask=j_ok, other=2**30)
+    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [K_POW2] place of each j in id order
+    y = tl.load(Y + (n * TOP_K + j[:, None]) * D + cols[None, :], mask=j_ok[:, None] & col_ok[None, :], other=0.0)
+    dtype = OUT.dtype.element_ty
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for r in tl.static_range(TOP_K):
+        acc = round_to(acc + tl.sum(tl.where(rank[:, None] == r, y.to(tl.float32), 0.0), axis=0), dtype).to(tl.float32)
+    tl.store(OUT + n * D + cols, acc.to(dtype), mask=col_ok)
+
+
+@torch.library.custom_op("qwen3_ops::fused_moe", mutates_args=())
+def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    N, D = x.shape
+    E, I = w2.shape[0], w2.shape[2]  # noqa: E741
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if N == 0:
+        return out
+    pairs = N * top_k
+    block_m, block_n, block_k = tile_config(pairs, D, I)
+    order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)
+    tiles = tile_expert.numel()
+    ieee = x.dtype == torch.float32
+    h = x.new_empty(pairs, I)  # [N*k, I] in sorted order
+    _gate_up_kernel[(tiles, triton.cdiv(I, block_n))](
+        x, w13, h, order, tile_expert, tile_row0, tile_row_end, D, I, E, TOP_K=top_k, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    y = x.new_empty(pairs, D)  # [N*k, D] by pair
+    _down_kernel[(tiles, triton.cdiv(D, block_n))](
+        h, w2, topk_weights, y, order, tile_expert, tile_row0, tile_row_end, D, I, E, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    block_d = min(1024, triton.next_power_of_2(D))
+    _combine_kernel[(N, triton.cdiv(D, block_d))](y, topk_ids, out, D, TOP_K=top_k,
+                                                  K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+@_fused_moe_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(x)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU of the routed tokens x [N, D], summed with their routing weights: [N, D]
+    (the Triton kernels; no backward: inference only)."""
+    N, D = x.shape
+    E, two_i, _ = w13.shape
+    if w13.shape != (E, two_i, D) or two_i % 2 or w2.shape != (E, D, two_i // 2):
+        raise ValueError(f"fused_moe takes w13 [E, 2I, D] and w2 [E, D, I] for x [N, D={D}], got "
+                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != N:
+        raise ValueError(f"topk_ids and topk_weights must both be [N={N}, k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    if not (x.dtype == w13.dtype == w2.dtype == topk_weights.dtype):
+        raise ValueError("x, w13, w2 and topk_weights must share a dtype")
+    return _fused_moe_op(x.contiguous(), w13.contiguous(), w2.contiguous(), topk_weights.contiguous(),
+                         topk_ids.contiguous())
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same in torch ops, transformers' Qwen3MoeExperts loop: each expert that received
+    tokens runs its SwiGLU on them, and the weighted results are added into a zero output
+    (index_add_ in increasing expert id). Syncs the host (which experts are hit): not for decode."""
+    out = torch.zeros_like(x)
+    E = w13.shape[0]
+    mask = torch.nn.functional.one_hot(topk_ids, num_classes=E).permute(2, 1, 0)  # [E, k, N]
+    for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+        slot, token = torch.where(mask[expert])
+        gate, up = torch.nn.functional.linear(x[token], w13[expert]).chunk(2, dim=-1)
+        h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, token, h * topk_weights[token, slot, None])
+    return out

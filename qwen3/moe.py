@@ -1,0 +1,101 @@
+"""Qwen3-MoE's sparse MLP block: a router picks k of E experts per token; each is a SwiGLU MLP.
+
+Shapes: N tokens (B * T), D hidden_size, E num_experts, k num_experts_per_tok,
+I moe_intermediate_size.
+
+The experts are held stacked, as transformers 5 holds them in memory: gate_up_proj [E, 2I, D]
+(each expert's gate rows, then its up rows) and down_proj [E, D, I], the layout the fused kernel
+reads. Checkpoints store one tensor per expert and projection (`experts.E.gate_proj.weight`,
+[I, D]); `checkpoint_views` maps each such key to its slice of the stacked parameters, so the
+loader copies straight into them.
+
+Routing follows transformers' Qwen3MoeTopKRouter: logits in the activations' dtype, softmax in
+fp32, top-k, optional renormalization to sum 1 (norm_topk_prob), weights cast back.
+"""
+
+import torch
+from torch import nn
+
+from ops.fused_moe import fused_moe, fused_moe_reference
+
+from .config import Qwen3Config
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's tensors of one expert
+
+
+def is_sparse_layer(config: Qwen3Config, layer_idx: int) -> bool:
+    """Whether layer layer_idx's MLP is the sparse block (transformers' Qwen3MoeDecoderLayer rule)."""
+    return (
+        config.num_experts > 0
+        and layer_idx not in config.mlp_only_layers
+        and (layer_idx + 1) % config.decoder_sparse_step == 0
+    )
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs, stacked. Parameter names and layouts are transformers 5's in-memory ones, so
+    a transformers block's state_dict loads as is; a checkpoint's per-expert keys go through
+    `checkpoint_views` (the loader) or the load_state_dict pre-hook (`stack_experts`)."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        E, D, I = config.num_experts, config.hidden_size, config.moe_intermediate_size  # noqa: E741
+        self.num_experts, self.intermediate_size = E, I
+        # nn.Linear's default init, per expert (kaiming-uniform bound 1/sqrt(fan_in)).
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, D).uniform_(-(D**-0.5), D**-0.5))
+        self.down_proj = nn.Parameter(torch.empty(E, D, I).uniform_(-(I**-0.5), I**-0.5))
+        self.register_load_state_dict_pre_hook(stack_experts)
+
+    def checkpoint_views(self, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{checkpoint key relative to this module ("3.up_proj.weight"): its slice of param}
+        for param = getattr(self, name)."""
+        I = self.intermediate_size  # noqa: E741
+        if name == "down_proj":
+            return {f"{e}.down_proj.weight": param[e] for e in range(self.num_experts)}
+        views = {}
+        for e in range(self.num_experts):
+            views[f"{e}.gate_proj.weight"] = param[e, :I]
+            views[f"{e}.up_proj.weight"] = param[e, I:]
+        return views
+
+
+def stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook: per-expert tensors (a checkpoint's layout) stacked into
+    gate_up_proj and down_proj, so that a hub-layout state dict loads too."""
+    keys = {p: [f"{prefix}{e}.{p}.weight" for e in range(module.num_experts)] for p in PROJECTIONS}
+    if all(key in state_dict for p in PROJECTIONS for key in keys[p]):
+        gate = [state_dict.pop(key) for key in keys["gate_proj"]]
+        up = [state_dict.pop(key) for key in keys["up_proj"]]
+        state_dict[f"{prefix}gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+        state_dict[f"{prefix}down_proj"] = torch.stack([state_dict.pop(key) for key in keys["down_proj"]])
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, checkpoint key mlp.gate.weight) + experts: sum over a token's top-k experts of
+    routing weight x expert(x). Called like MLP: (x [B, T, D], fused) -> [B, T, D]."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] in x's dtype, expert ids [N, k]) for x [N, D]. Device-side ops only (topk
+        has a fixed output shape): no host sync."""
+        logits = self.gate(x)  # [N, E] in x's dtype
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), ids
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """fused: the Triton kernel (ops/fused_moe.py); otherwise transformers' loop over the experts
+        that received tokens (the reference, differentiable, and what runs on the CPU)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [N, D]
+        weights, ids = self.route(x)
+        moe = fused_moe if fused else fused_moe_reference
+        return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
+
