@@ -1,0 +1,104 @@
+"""Every decode-step Triton kernel compiles for Hopper (sm_90, the H100/H200) on this CPU machine.
+
+The CPU tests run the kernels in Triton's interpreter, which executes them as numpy and does
+not apply the compiler's typing rules (a variable re-typed inside a branch, a loop bound of the
+wrong type): such a kernel passes every CPU test and fails to compile on the GPU. Compiling for
+an explicit target needs no GPU, so these tests catch that here. The interpreter replaces every
+@triton.jit function once TRITON_INTERPRET=1 is set (conftest sets it), so each test runs this
+file again in a child process with TRITON_INTERPRET=0, naming the test to run.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"  # in the child process
+
+
+def run_compiled(test_name: str, dtype: str) -> None:
+    """Run `test_name(dtype)` of this file in a child process with the real compiler."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    code = f"import test_kernels_compile as t; t.{test_name}({dtype!r})"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, floats=()) -> None:
+    """Compile `kernel` with the named pointer arguments typed as given, `floats` as fp32, every
+    other runtime argument as i32, and the constexprs bound."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_qk_norm_rope_kernel_compiles(dtype):
+    if not COMPILED:
+        return run_compiled("test_qk_norm_rope_kernel_compiles", dtype)
+    from ops import qk_norm_rope
+
+    pointers = {name: f"*{dtype}" for name in ("QKV", "QW", "KW", "Q_OUT", "K_OUT", "K_CACHE", "V_CACHE")}
+    pointers |= {"COS": "*fp32", "SIN": "*fp32", "POS": "*i64", "SLOTS": "*i64"}
+    for has_cache in (True, False):
+        compile_for_hopper(qk_norm_rope._qk_norm_rope_kernel, pointers,
+                           dict(N_HEADS=16, N_KV=8, HD=128, BLOCK_HALF=64, HAS_CACHE=has_cache), floats=("eps",))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_decode_attention_kernels_compile(dtype):
+    if not COMPILED:
+        return run_compiled("test_decode_attention_kernels_compile", dtype)
+    from ops import decode_attention
+
+    pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "OUT": f"*{dtype}", "SEQ_LENS": "*i64",
+                "O_PART": "*fp32", "LSE_PART": "*fp32"}
+    compile_for_hopper(decode_attention._split_kernel, pointers,
+                       dict(N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=32, BLOCK_N=64,
+                            FP32=dtype == "fp32"), floats=("scale",))
+    compile_for_hopper(decode_attention._merge_kernel, pointers, dict(SPLITS=32, BLOCK_SPLITS=32, HD=128,
+                                                                      BLOCK_HD=128))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gemv_and_silu_mul_kernels_compile(dtype):
+    if not COMPILED:
+        return run_compiled("test_gemv_and_silu_mul_kernels_compile", dtype)
+    from ops import gemv, silu_mul
+
+    pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y", "GATE_UP", "OUT")}
+    for gated in (True, False):
+        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not gated, GATED=gated, BLOCK_N=8,
+                                                              BLOCK_K=512))
+    compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_fused_moe_kernels_compile(dtype):
+    if not COMPILED:
+        return run_compiled("test_fused_moe_kernels_compile", dtype)
+    from ops import fused_moe
+
+    pointers = {name: f"*{dtype}" for name in ("X", "W13", "H", "W2", "TOPK_WEIGHTS", "Y", "OUT")}
+    pointers |= {name: "*i32" for name in ("ORDER", "TILE_EXPERT", "TILE_ROW0", "TILE_ROW_END")}
+    pointers["TOPK_IDS"] = "*i64"
+    blocks = dict(IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+    compile_for_hopper(fused_moe._gate_up_kernel, pointers, dict(TOP_K=8, **blocks))
+    compile_for_hopper(fused_moe._down_kernel, pointers, blocks)
+    compile_for_hopper(fused_moe._combine_kernel, pointers, dict(TOP_K=8, K_POW2=8, BLOCK_D=1024))
