@@ -27,19 +27,23 @@ def hf_config(**overrides) -> transformers.Qwen3Config:
     return config
 
 
-def hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> transformers.Qwen3ForCausalLM:
-    """A transformers Qwen3 with weights large enough that every layer matters: projections
-    ~N(0, 0.08), norm weights ~1 + N(0, 0.2) (HF's init leaves them all ones, which would hide
-    a norm applied with the wrong weight)."""
-    torch.manual_seed(seed)
-    model = transformers.Qwen3ForCausalLM(hf_config(**overrides))
+def spread_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """Weights large enough that every layer matters: projections ~N(0, 0.08), norm weights
+    ~1 + N(0, 0.2) (HF's init leaves them all ones, which would hide a norm applied with the
+    wrong weight; in a MoE, the router's logits then spread tokens over different experts)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.08)
-    return model.to(dtype).eval()
+    return model
+
+
+def hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> transformers.Qwen3ForCausalLM:
+    """A seeded transformers Qwen3 with spread weights."""
+    torch.manual_seed(seed)
+    return spread_weights(transformers.Qwen3ForCausalLM(hf_config(**overrides))).to(dtype).eval()
 
 
 def save(model: transformers.PreTrainedModel, directory: Path, max_shard_size: str | None = None) -> Path:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import transformers
-from checkpoints import save
+from checkpoints import save, spread_weights
 from conftest import DEVICE, INTERPRETED, requires_cuda
 from safetensors.torch import load_file, save_file
 from test_model import assert_layer_close, hf_causal_mask, hidden, input_ids, kernels_run
@@ -44,18 +44,9 @@ def hf_moe_config(**overrides) -> transformers.Qwen3MoeConfig:
 
 
 def hf_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> transformers.Qwen3MoeForCausalLM:
-    """A transformers Qwen3-MoE with weights ~N(0, 0.08) and norm weights ~1 + N(0, 0.2), as
-    checkpoints.hf_model makes dense ones: the router's logits then spread enough that tokens
-    go to different experts."""
+    """A seeded transformers Qwen3-MoE with spread weights (checkpoints.spread_weights)."""
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(hf_moe_config(**overrides))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.08)
-    return model.to(dtype).eval()
+    return spread_weights(transformers.Qwen3MoeForCausalLM(hf_moe_config(**overrides))).to(dtype).eval()
 
 
 def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:
