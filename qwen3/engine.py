@@ -374,10 +374,8 @@ class Engine:
         self.peak_running = max(self.peak_running, len(seqs))
         ids = torch.tensor([[s.ids[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
-        table = torch.zeros(len(seqs), self.table_width, dtype=torch.long)
-        for row, s in enumerate(seqs):
-            table[row, : len(s.blocks)] = torch.tensor(s.blocks)
-        logits = self.decode(ids, positions, table.to(self.device))
+        table = torch.tensor([s.blocks + [0] * (self.table_width - len(s.blocks)) for s in seqs], device=self.device)
+        logits = self.decode(ids, positions, table)
         for s in seqs:
             s.cached += 1
         for s, token in zip(seqs, self._sample(logits, seqs)):
