@@ -31,6 +31,7 @@ import itertools
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ class Request:
 @dataclass
 class Output:
     """One event of a request: the text and tokens new since the last one; the last event has a
-    finish_reason: "stop" (a stop token or string), "length" (max_tokens) or "cancelled"."""
+    finish_reason: "stop" (a stop token or string), "length" (max_tokens), "cancelled", or "error"
+    (the engine failed: see its log)."""
 
     text: str
     token_ids: list[int]
@@ -261,7 +263,12 @@ class Engine:
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug must not hang every client: end what was in flight, keep serving
+                traceback.print_exc()
+                for seq in list(self.sequences.values()):
+                    self._finish(seq, "error")
 
     # ---- the engine's thread ----------------------------------------------------------------
 

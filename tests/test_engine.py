@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, save
-from conftest import DEVICE
+from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from ops.decode_attention import decode_attention
@@ -284,3 +284,33 @@ def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model)
         engine.submit(Request([1, 2], 4))
     engine.run(timeout_s=30)
     assert engine.free_blocks == 8
+
+
+def test_graph_buckets_and_the_cuda_graph_switch(model):
+    from qwen3.engine import batch_buckets
+
+    assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+            Engine(model, cuda_graph=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm_impl", ["triton", "torch"])
+def test_graphed_engine_equals_eager_engine(model, norm_impl):
+    """On the GPU: decode steps replayed from the per-bucket CUDA graphs (batches of 5, 4, 3...
+    padded to buckets 8 and 4) choose the tokens the eager engine chooses."""
+    requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
+                zip(prompts([5, 30, 17, 2, 9], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16])]
+    model.set_norm_impl(norm_impl)
+    try:
+        results = []
+        for graph in (True, False):
+            engine = Engine(model, max_batch=8, n_blocks=64, block_size=16, cuda_graph=graph)
+            outs = [collect(engine, r) for r in requests]
+            engine.run(timeout_s=120)
+            results.append([tokens(o) for o in outs])
+    finally:
+        model.set_norm_impl("auto")
+    assert results[0] == results[1]
