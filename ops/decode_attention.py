@@ -7,6 +7,12 @@ row b attends over its first seq_lens[b] cached positions (the new token's inclu
 nothing past them is read, so a step costs what the row holds, not what the cache could hold.
 seq_lens lives on the device, so one captured CUDA graph serves every decode step.
 
+    out = decode_attention(q, k_blocks, v_blocks, seq_lens, scale, block_table=table)
+
+The paged form (qwen3/cache.py's PagedKVCache): k_blocks, v_blocks [n_blocks, block_size, K, hd]
+and table [B, M] of block ids; row b's key at position p is in block table[b, p // block_size],
+at offset p % block_size. The kernel looks each key's block up in the table; nothing else changes.
+
 Each program takes one row, one key/value head and one of `splits` slices of the row's keys,
 with the H / K query heads that share that key/value head as the rows of its matrix products
 (padded to 16, the smallest tl.dot); a second kernel merges the slices by their log-sum-exp.
@@ -34,8 +40,9 @@ def num_splits(batch: int, n_kv_heads: int) -> int:
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, SEQ_LENS, O_PART, LSE_PART,
-    scale, max_len, stride_kb, stride_ks,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, O_PART, LSE_PART,
+    scale, max_len, stride_kb, stride_ks, stride_table,
+    PAGED: tl.constexpr, PAGE: tl.constexpr,
     N_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
 ):
@@ -56,20 +63,23 @@ def _split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_HD], tl.float32)
-    row_k = K + b * stride_kb + kv * HD
-    row_v = V + b * stride_kb + kv * HD
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < end
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(row_k + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        if PAGED:  # key n of row b: block table[b, n // PAGE], offset n % PAGE in it
+            block = tl.load(BLOCK_TABLE + b * stride_table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+            offsets = block * stride_kb + (n % PAGE) * stride_ks
+        else:  # key n of row b: position n of cache row b
+            offsets = b * stride_kb + n * stride_ks
+        k = tl.load(K + kv * HD + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = dot(q, tl.trans(k), FP32)
         s = tl.where(n_ok[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(row_v + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv * HD + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32)
         m = m_new
     # An empty slice (past the row's length) leaves lse = -inf: the merge gives it no weight.
@@ -97,7 +107,7 @@ def _merge_kernel(O_PART, LSE_PART, OUT, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.
 
 @torch.library.custom_op("qwen3_ops::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float, splits: int) -> torch.Tensor:
+                         scale: float, splits: int, block_table: torch.Tensor | None = None) -> torch.Tensor:
     B, H, hd = q.shape
     K = k_cache.shape[2]
     out = torch.empty_like(q)
@@ -105,8 +115,13 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
     group = H // K
     block_hd = triton.next_power_of_2(hd)
+    paged = block_table is not None
+    page = k_cache.shape[1] if paged else 1
+    max_len = block_table.shape[1] * page if paged else k_cache.shape[1]  # keys a row can hold
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, seq_lens, o_part, lse_part, scale, k_cache.shape[1], k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, seq_lens, block_table if paged else seq_lens, o_part, lse_part, scale, max_len,
+        k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
+        PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
         SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, num_warps=4,
     )
@@ -116,16 +131,21 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 @_decode_attention_op.register_fake
-def _(q, k_cache, v_cache, seq_lens, scale, splits):
+def _(q, k_cache, v_cache, seq_lens, scale, splits, block_table=None):
     return torch.empty_like(q)
 
 
-def _check(q, k_cache, v_cache, seq_lens) -> None:
+def _check(q, k_cache, v_cache, seq_lens, block_table) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q must be [B, H, hd] and the caches [B, S, K, hd], got {tuple(q.shape)}, "
+        layout = "[n_blocks, block_size, K, hd]" if block_table is not None else "[B, S, K, hd]"
+        raise ValueError(f"q must be [B, H, hd] and the caches {layout}, got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     B, H, hd = q.shape
-    if k_cache.shape[0] != B or k_cache.shape[3] != hd or H % k_cache.shape[2]:
+    if block_table is not None and (block_table.dim() != 2 or block_table.shape[0] != B
+                                    or block_table.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"block_table must be an integer tensor [B={B}, blocks], got {tuple(block_table.shape)}")
+    rows = B if block_table is None else k_cache.shape[0]
+    if k_cache.shape[0] != rows or k_cache.shape[3] != hd or H % k_cache.shape[2]:
         raise ValueError(f"caches {tuple(k_cache.shape)} do not fit q {tuple(q.shape)} (H a multiple of K)")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q and the caches must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -136,9 +156,11 @@ def _check(q, k_cache, v_cache, seq_lens) -> None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """[B, H, hd]: softmax(q k^T * scale) v over each row's first seq_lens[b] keys (1 <= seq_lens[b]
-    <= S, which the caller guarantees; the kernel reads no further than S either way)."""
-    _check(q, k_cache, v_cache, seq_lens)
+    <= S, which the caller guarantees; the kernel reads no further than S either way). With
+    block_table [B, M], the caches are blocks [n_blocks, block_size, K, hd], S = M * block_size,
+    and the table's entries for a row's first seq_lens[b] positions must be valid block ids."""
+    _check(q, k_cache, v_cache, seq_lens, block_table)
     splits = num_splits(q.shape[0], k_cache.shape[2])
-    return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens, float(scale), splits)
+    return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens, float(scale), splits, block_table)

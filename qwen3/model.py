@@ -28,7 +28,7 @@ from ops.gemv import gemv
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 
-from .cache import KVCache
+from .cache import KVCache, PagedKVCache
 from .config import Qwen3Config
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 
@@ -172,6 +172,7 @@ class ForwardBatch:
     mask: torch.Tensor | None  # [B, 1, T, keys] bool (True = attend) for SDPA; None: causal
     n_keys: int | None  # attend over cache slots [0, n_keys) of each row; None: over the new tokens only
     seq_lens: torch.Tensor | None  # [B] one-token steps on the fused path: keys per row, the new one included
+    block_table: torch.Tensor | None = None  # [B, M] a PagedKVCache's blocks of each row; None: KVCache rows
 
 
 def static_shapes(device: torch.device) -> bool:
@@ -185,11 +186,13 @@ def prepare_batch(
     positions: torch.Tensor,
     dtype: torch.dtype,
     fused: bool,
-    cache: KVCache | None = None,
+    cache: KVCache | PagedKVCache | None = None,
     valid: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """The ForwardBatch of tokens at `positions` [B, T]; valid [B, T] bool marks real tokens
-    (None: all). Attention covers, for each token, its row's tokens at positions <= its own:
+    (None: all); block_table [B, M] names each row's blocks of a PagedKVCache (a KVCache: None).
+    Attention covers, for each token, its row's tokens at positions <= its own:
     - no cache, or a cache whose rows all start at position 0: the new tokens, causal, padding
       masked (the first prefill);
     - one token per row on the fused path: the Triton decode kernel over each row's first
@@ -203,19 +206,28 @@ def prepare_batch(
         cos, sin = rotary.tables(device)
     else:
         cos, sin = rotary(positions, dtype)
-    slots = cache.slots(positions, valid) if cache is not None else None
+    slots = None
+    if isinstance(cache, PagedKVCache):
+        slots = cache.slots(positions, valid, block_table)
+    elif cache is not None:
+        slots = cache.slots(positions, valid)
     static = static_shapes(device)
     if cache is not None and T == 1 and fused:
-        return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1)
+        return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1, block_table)
     if cache is None or (not static and int(positions[:, 0].max()) == 0):
         mask = None
         if valid is not None:  # causal, padding keys hidden; each token sees itself, so no row is empty (NaN)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
-        return ForwardBatch(positions, fused, cos, sin, slots, mask, None, None)
-    n_keys = cache.max_len if static else int(positions.max()) + 1
+        return ForwardBatch(positions, fused, cos, sin, slots, mask, None, None, block_table)
+    n_keys = row_len(cache, block_table) if static else int(positions.max()) + 1
     mask = torch.arange(n_keys, device=device) <= positions[:, :, None]  # [B, T, n_keys]
-    return ForwardBatch(positions, fused, cos, sin, slots, mask[:, None], n_keys, None)
+    return ForwardBatch(positions, fused, cos, sin, slots, mask[:, None], n_keys, None, block_table)
+
+
+def row_len(cache: KVCache | PagedKVCache, block_table: torch.Tensor | None) -> int:
+    """Positions each row of the cache can hold (a paged cache's rows: their block tables' width)."""
+    return cache.row_len(block_table) if isinstance(cache, PagedKVCache) else cache.max_len
 
 
 class Attention(nn.Module):
@@ -252,13 +264,22 @@ class Attention(nn.Module):
         v = qkv[..., (H + K) * hd :].view(B, T, K, hd)
 
         if batch.seq_lens is not None:  # one new token per row, fused path: the split-KV kernel
-            k_rows, v_rows = cache.rows(self.layer_idx)  # [B, S, K, hd]
-            out = decode_attention(q.view(B, H, hd), k_rows, v_rows, batch.seq_lens, hd**-0.5)
+            if batch.block_table is None:
+                k_rows, v_rows = cache.rows(self.layer_idx)  # [B, S, K, hd]
+                out = decode_attention(q.view(B, H, hd), k_rows, v_rows, batch.seq_lens, hd**-0.5)
+            else:  # keys found through each row's block table
+                k_blocks, v_blocks = cache.blocks(self.layer_idx)  # [n_blocks, block_size, K, hd]
+                out = decode_attention(q.view(B, H, hd), k_blocks, v_blocks, batch.seq_lens, hd**-0.5,
+                                       block_table=batch.block_table)
             return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
         if batch.n_keys is None:  # over the new tokens
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, K, T, hd]
         else:  # over each row's cached slots
-            k_rows, v_rows = cache.rows(self.layer_idx)
+            if batch.block_table is None:
+                k_rows, v_rows = cache.rows(self.layer_idx)  # [B, S, K, hd]
+            else:  # the blocks that hold positions < n_keys, gathered into rows
+                n_blocks = -(-batch.n_keys // cache.block_size)
+                k_rows, v_rows = cache.gather(self.layer_idx, batch.block_table[:, :n_blocks])
             k, v = k_rows[:, : batch.n_keys].transpose(1, 2), v_rows[:, : batch.n_keys].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v,  # [B, H, T, hd] against [B, K, keys, hd]
@@ -355,16 +376,22 @@ class Qwen3ForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T] token ids
         positions: torch.Tensor | None = None,  # [B, T] each token's position in its row; default 0..T-1
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         attention_mask: torch.Tensor | None = None,  # [B, T] 1 = token, 0 = padding
         last_only: bool = False,  # logits of each row's last real token only (what decoding needs)
+        block_table: torch.Tensor | None = None,  # [B, M] long: with a PagedKVCache, each row's blocks
     ) -> torch.Tensor:
         """Logits [B, T, V] (with last_only [B, 1, V]). With a cache, `positions` are required: each
         token's keys and values are written to its row's slot `position`, and it attends to its
         row's slots up to its own position (earlier steps wrote the ones before). Padding tokens
-        are written to a scratch slot and attended by no one but themselves."""
+        are written to a scratch slot and attended by no one but themselves. With a PagedKVCache,
+        row b's slot for position p is block_table[b, p // block_size] * block_size + p % block_size."""
         check_input_ids(input_ids)
         B, T = input_ids.shape
+        if isinstance(cache, PagedKVCache) != (block_table is not None):
+            raise ValueError("a PagedKVCache needs a block_table [B, blocks], and only it takes one")
+        if block_table is not None and (block_table.shape[0] != B or block_table.dtype != torch.long):
+            raise ValueError(f"block_table must be a LongTensor [B={B}, blocks], got {tuple(block_table.shape)}")
         device = input_ids.device
         if positions is None:
             if cache is not None:
@@ -378,8 +405,9 @@ class Qwen3ForCausalLM(nn.Module):
             top, limit = int(positions.max()), self.config.max_position_embeddings
             if top >= limit:
                 raise ValueError(f"{top + 1} positions exceed max_position_embeddings={limit}")
-            if cache is not None and top >= cache.max_len:
-                raise ValueError(f"KV cache is full: position {top} does not fit its {cache.max_len} slots per row")
+            if cache is not None and top >= row_len(cache, block_table):
+                raise ValueError(f"KV cache is full: position {top} does not fit its "
+                                 f"{row_len(cache, block_table)} slots per row")
             if int(positions.min()) < 0:
                 raise ValueError("positions must be >= 0")
         valid = None
@@ -390,7 +418,7 @@ class Qwen3ForCausalLM(nn.Module):
         impl = resolve_impl(self.config.norm_impl, device)
         fused = impl == "triton" and not torch.is_grad_enabled()
         dtype = self.model.embed_tokens.weight.dtype
-        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid)
+        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table)
         keep = None
         if last_only and T > 1:  # each row's last real token: the last column, or before right padding
             keep = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)

@@ -1,0 +1,457 @@
+"""Continuous batching over a paged KV cache: the serving engine behind qwen3/server.py.
+
+Requests join and leave the running batch between decode steps. Each engine step:
+1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
+   blocks return to the cache at once;
+2. admits waiting requests while the batch has room and the cache has blocks for their prompt,
+   and prefills each in a forward of its own (B = 1, so a prompt is computed exactly as
+   `model.generate` computes it alone), which samples its first token;
+3. runs one decode step over every running sequence: one token per row, rows of different
+   lengths, keys read through each row's block table; then samples each row with its own
+   parameters, applies its stops, hands new text to its consumer, and frees the blocks of the
+   rows that finished.
+
+A sequence gets a block when its next token starts one. When none is free, the sequence
+admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
+prefilled again from its prompt and the tokens it had (vLLM's recompute preemption). A request
+is accepted only if it fits the whole cache alone, so the oldest sequence always progresses:
+running out of blocks makes requests wait, never corrupts or drops them.
+
+On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
+the bucket's size, padding rows writing to the scratch slot), captured once at start, largest
+first, in one memory pool, as nano-vllm does. The CPU runs it eagerly; the tests (CPU only)
+exercise the eager path, the graphed one runs on a GPU only.
+
+The engine owns the model and runs in one background thread (`start`); `submit` and `cancel`
+are safe to call from any thread, and outputs reach each request through its `on_output`
+callback, called on the engine's thread.
+"""
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PagedKVCache
+from .generation import resolve_eos, warm_up_on_a_side_stream
+from .sampling import SamplingParams, next_token
+from .text import TextStream
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a client asks for: token ids to continue, and how."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams(temperature=0.0)
+    seed: int | None = None  # per-request: its own generator, whatever else runs beside it
+    stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
+    eos_ids: tuple[int, ...] | None = None  # stop tokens; None: the engine's (the checkpoint's)
+
+
+@dataclass
+class Output:
+    """One event of a request: the text and tokens new since the last one; the last event has a
+    finish_reason: "stop" (a stop token or string), "length" (max_tokens), "cancelled", or "error"
+    (the engine failed: see its log)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class QueueFull(Exception):
+    """More requests wait than the engine's queue bound allows."""
+
+
+@dataclass
+class Sequence:
+    id: int
+    request: Request
+    ids: list[int]  # prompt, then generated tokens
+    on_output: Callable[[Output], None] | None
+    eos: set[int]
+    generator: torch.Generator | None
+    seen: torch.Tensor | None  # [V] bool: tokens present so far (only when a penalty needs it)
+    stream: TextStream | None
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0  # positions [0, cached) are in the cache
+    text: str = ""  # generated text decoded so far
+    sent: int = 0  # characters of text already handed out
+    finish_reason: str | None = None
+
+    @property
+    def n_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.ids) - self.n_prompt
+
+    @property
+    def plain_greedy(self) -> bool:
+        p = self.request.params
+        return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16, up to max_batch."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class PagedDecodeStep:
+    """One token per running sequence: ids [B, 1] at positions [B, 1] with block tables [B, M]
+    -> logits [B, V]. Eager, or (CUDA) replayed from the graph of the smallest bucket >= B."""
+
+    def __init__(self, model, cache: PagedKVCache, max_batch: int, table_width: int, graph: bool):
+        self.model, self.cache, self.use_graph = model, cache, graph
+        self.buckets = batch_buckets(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if graph:
+            device = model.lm_head.weight.device
+            self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+            self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+            self.valid = torch.zeros(max_batch, 1, dtype=torch.bool, device=device)
+            self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
+            self.capture_all()
+
+    def _forward(self, n: int) -> torch.Tensor:
+        return self.model(self.ids[:n], self.positions[:n], cache=self.cache, attention_mask=self.valid[:n],
+                          last_only=True, block_table=self.block_table[:n])[:, -1]
+
+    def capture_all(self) -> None:
+        """Capture every bucket's step, largest first, the graphs sharing one memory pool. Every
+        row is padding while capturing (valid False): warm-up writes land in the scratch slot."""
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.ids.device), torch.inference_mode():
+            for n in reversed(self.buckets):
+                warm_up_on_a_side_stream(lambda n=n: self._forward(n))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(n)
+                self.graphs[n] = (graph, logits)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        B = ids.shape[0]
+        if not self.use_graph:
+            return self.model(ids, positions, cache=self.cache, last_only=True, block_table=block_table)[:, -1]
+        bucket = next(b for b in self.buckets if b >= B)
+        self.ids[:B].copy_(ids)
+        self.positions[:B].copy_(positions)
+        self.block_table[:B].copy_(block_table)
+        self.valid[:B] = True
+        self.valid[B:bucket] = False  # padding rows: position 0 of block 0, written to scratch
+        self.positions[B:bucket] = 0
+        self.block_table[B:bucket] = 0
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:B]
+
+
+class Engine:
+    """Continuous batching over a PagedKVCache (see the module docstring).
+
+    n_blocks: KV-cache blocks of block_size tokens (default: every batch row can hold 2048
+        tokens, or the context if shorter).
+    max_batch: sequences decoded together at most.
+    max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
+        max_batch + max_waiting requests are already in (running or waiting).
+    cuda_graph: replay decode steps from CUDA graphs (default: on CUDA).
+    """
+
+    def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
+                 max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        self.device = model.lm_head.weight.device
+        self.max_len = config.max_position_embeddings
+        self.table_width = -(-self.max_len // block_size)  # blocks a sequence can own
+        if n_blocks is None:
+            n_blocks = max_batch * -(-min(self.max_len, 2048) // block_size)
+        self.cache = PagedKVCache.for_model(model, n_blocks, block_size)
+        self.max_batch, self.max_waiting = max_batch, max_waiting
+        gen_config = getattr(model, "generation_config", {}) or {}
+        eos = set(resolve_eos(None, gen_config, config))
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos = eos
+        if cuda_graph is None:
+            cuda_graph = self.device.type == "cuda"
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {self.device}")
+        self.decode = PagedDecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
+
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
+        self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) | ("cancel", id)
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._in_flight = 0  # submitted and not finished: the queue bound counts these
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.preemptions = 0
+        self.peak_running = 0  # the largest batch decoded so far
+
+    # ---- any thread -------------------------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        return self.cache.num_free
+
+    def check(self, request: Request) -> None:
+        """ValueError naming the numbers unless the request can ever run."""
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: generation needs at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.model.config.vocab_size})")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if n + request.max_tokens > self.max_len:
+            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you "
+                             f"requested {n + request.max_tokens} tokens ({n} in the prompt, "
+                             f"{request.max_tokens} for the completion).")
+        blocks = self.cache.blocks_for(n + request.max_tokens)
+        if blocks > self.cache.n_blocks:
+            raise ValueError(f"the request needs {blocks} KV-cache blocks of {self.cache.block_size} tokens "
+                             f"({n} + {request.max_tokens} tokens); the cache has {self.cache.n_blocks}")
+
+    def submit(self, request: Request, on_output: Callable[[Output], None] | None = None) -> int:
+        """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
+        self.check(request)
+        with self._lock:
+            if self._in_flight >= self.max_batch + self.max_waiting:
+                raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
+                                "try again later")
+            self._in_flight += 1
+        seq = self._new_sequence(request, on_output)
+        self._inbox.put(("add", seq))
+        self._wake.set()
+        return seq.id
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop a request (a client went away): its blocks are freed at the engine's next step."""
+        self._inbox.put(("cancel", seq_id))
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run steps in a background thread while there is work; sleep until there is."""
+        self._thread = threading.Thread(target=self._loop, name="qwen3-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.has_work():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not hang every client: end what was in flight, keep serving
+                traceback.print_exc()
+                for seq in list(self.sequences.values()):
+                    self._finish(seq, "error")
+
+    # ---- the engine's thread ----------------------------------------------------------------
+
+    def add(self, request: Request, on_output: Callable[[Output], None] | None = None) -> Sequence:
+        """Queue a request from the engine's own thread (tests drive `step` by hand)."""
+        self.check(request)
+        with self._lock:
+            self._in_flight += 1
+        seq = self._new_sequence(request, on_output)
+        self._enqueue(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or not self._inbox.empty())
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self._drain_inbox()
+        self._admit()
+        if self.running:
+            self._decode()
+
+    def run(self, timeout_s: float = 600.0) -> None:
+        """Step until every request has finished (tests)."""
+        deadline = time.monotonic() + timeout_s
+        while self.has_work():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout_s} s")
+            self.step()
+
+    def _new_sequence(self, request: Request, on_output) -> Sequence:
+        params = request.params
+        seen = None
+        if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0:
+            seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            seen[torch.tensor(request.prompt_ids, device=self.device)] = True
+        generator = None
+        if request.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        return Sequence(
+            id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
+            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos, generator=generator, seen=seen,
+            stream=TextStream(self.tokenizer) if self.tokenizer is not None else None,
+        )
+
+    def _enqueue(self, seq: Sequence) -> None:
+        self.sequences[seq.id] = seq
+        self.waiting.append(seq)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._enqueue(item)
+            elif item in self.sequences:  # a cancel of a sequence not yet finished
+                self._finish(self.sequences[item], "cancelled")
+
+    def _admit(self) -> None:
+        """Prefill waiting sequences, oldest first, while the batch has room and the cache has
+        blocks for them (keeping one per running sequence for its next token)."""
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = self.cache.blocks_for(len(seq.ids))
+            if self.cache.num_free - need < len(self.running):
+                return
+            self.waiting.popleft()
+            seq.blocks = self.cache.allocate(need)
+            self.running.append(seq)
+            self._prefill(seq)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """All of the sequence's tokens in one forward (a preempted one's generated tokens too);
+        the logits of the last give its next token."""
+        n = len(seq.ids)
+        ids = torch.tensor([seq.ids], device=self.device)
+        positions = torch.arange(n, device=self.device)[None]
+        table = torch.tensor([seq.blocks], device=self.device)
+        logits = self.model(ids, positions, cache=self.cache, last_only=True, block_table=table)[:, -1]
+        seq.cached = n
+        self._accept(seq, self._sample(logits, [seq])[0])
+
+    def _grow(self) -> None:
+        """Give every running sequence a block for the position its next token is written to,
+        preempting the sequences admitted last when none is free."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.cached // self.cache.block_size < len(seq.blocks):
+                i += 1
+                continue
+            block = self.cache.allocate(1)
+            if block is not None:
+                seq.blocks += block
+                i += 1
+                continue
+            victim = self.running.pop()  # the latest admitted: maybe seq itself
+            self.cache.release(victim.blocks)
+            victim.blocks, victim.cached = [], 0
+            self.waiting.appendleft(victim)
+            self.preemptions += 1
+
+    def _decode(self) -> None:
+        self._grow()
+        seqs = list(self.running)
+        if not seqs:
+            return
+        self.peak_running = max(self.peak_running, len(seqs))
+        ids = torch.tensor([[s.ids[-1]] for s in seqs], device=self.device)
+        positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
+        table = torch.tensor([s.blocks + [0] * (self.table_width - len(s.blocks)) for s in seqs], device=self.device)
+        logits = self.decode(ids, positions, table)
+        for s in seqs:
+            s.cached += 1
+        for s, token in zip(seqs, self._sample(logits, seqs)):
+            self._accept(s, token)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Each row's next token with its own parameters and generator. Plain greedy rows share
+        one argmax; the others are sampled one by one (correctness over speed)."""
+        tokens = logits.float().argmax(-1).tolist()
+        for row, s in enumerate(seqs):
+            if not s.plain_greedy:
+                seen = s.seen[None] if s.seen is not None else None
+                tokens[row] = int(next_token(logits[row : row + 1], seen, s.request.params, s.generator)[0])
+        return tokens
+
+    def _accept(self, seq: Sequence, token: int) -> None:
+        """Append a sampled token, apply the stops, hand out the new text."""
+        seq.ids.append(token)
+        if seq.seen is not None:
+            seq.seen[token] = True
+        reason = None
+        if token in seq.eos:
+            reason = "stop"
+        else:
+            if seq.stream is not None:
+                seq.text += seq.stream.push(token)
+            if seq.n_generated >= seq.request.max_tokens:
+                reason = "length"
+        if reason is not None and seq.stream is not None:
+            seq.text += seq.stream.flush()  # a character the stream held back, now complete or not
+        stop_at = self._find_stop(seq)
+        if stop_at is not None:
+            seq.text, reason = seq.text[:stop_at], "stop"
+        if reason is not None:
+            self._finish(seq, reason, token)
+            return
+        held = self._held_back(seq)
+        self._emit(seq, seq.text[seq.sent : len(seq.text) - held], [token], None)
+        seq.sent = len(seq.text) - held
+
+    def _find_stop(self, seq: Sequence) -> int | None:
+        found = [i for i in (seq.text.find(s, max(0, seq.sent - len(s))) for s in seq.request.stop if s) if i >= 0]
+        return min(found) if found else None
+
+    def _held_back(self, seq: Sequence) -> int:
+        """Characters at the end of the text that may begin a stop string: not handed out yet."""
+        held = 0
+        for stop in seq.request.stop:
+            for n in range(min(len(stop) - 1, len(seq.text) - seq.sent), held, -1):
+                if seq.text.endswith(stop[:n]):
+                    held = n
+                    break
+        return held
+
+    def _finish(self, seq: Sequence, reason: str, token: int | None = None) -> None:
+        """End a sequence: free its blocks at once, take it out of the batch, send the rest of its text."""
+        self.cache.release(seq.blocks)
+        seq.blocks = []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.sequences.pop(seq.id, None)
+        with self._lock:
+            self._in_flight -= 1
+        seq.finish_reason = reason
+        self._emit(seq, seq.text[seq.sent :], [token] if token is not None else [], reason)
+        seq.sent = len(seq.text)
+
+    def _emit(self, seq: Sequence, text: str, tokens: list[int], reason: str | None) -> None:
+        if seq.on_output is not None:
+            seq.on_output(Output(text, tokens, reason, seq.n_prompt, seq.n_generated))

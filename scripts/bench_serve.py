@@ -1,0 +1,236 @@
+"""Serving throughput and time to first token under concurrent streaming clients.
+
+    python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 \\
+        --json docs/benchmarks/serve-h200.json --plot docs/benchmarks/serve-h200.png
+
+Starts scripts/serve.py on 127.0.0.1 (a free port) with a random-weight checkpoint of the real
+Qwen3 architecture (--config; bf16, written to a temporary directory with the shipped tokenizer:
+prompts are token ids, so the tokenizer only detokenizes what it can) or with --model DIR, or
+measures a server already running at --url. For each concurrency c: c clients, each sending
+streaming completions one after another (prompts of random token ids, lengths uniform in
+[--prompt-min, --prompt-max]; --output tokens each, greedy, ignore_eos) until --requests-per-client
+requests each are done. total_tok_s = generated tokens (usage) / wall time of the level;
+ttft = time from sending a request to its first streamed chunk (the server sends one per token).
+Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "prompt_tokens",
+"output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "requests", "failed"}]}.
+"""
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "weights" / "qwen3-stdlib-tiny"
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", choices=["0.6b", "8b"], help="random weights of this Qwen3 architecture")
+    src.add_argument("--model", type=Path, help="a checkpoint directory (default: the shipped model)")
+    src.add_argument("--url", help="an already running server (e.g. http://127.0.0.1:8000)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 20, 64, 256])
+    p.add_argument("--prompt-min", type=int, default=128)
+    p.add_argument("--prompt-max", type=int, default=1024)
+    p.add_argument("--output", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=None, help="prompt token ids drawn below this (default: the model's)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--server-args", default="", help="more flags for serve.py, e.g. '--num-blocks 20000'")
+    p.add_argument("--timeout", type=float, default=600, help="seconds a level may take at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def random_checkpoint(name: str, directory: Path) -> Path:
+    """The real architecture with transformers' random init in bf16, and the shipped tokenizer."""
+    import torch
+    import transformers
+    from bench_generate import CONFIGS
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**CONFIGS[name])).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED / f, directory / f)
+    return directory
+
+
+def start_server(model_dir: Path, args, max_batch: int, log: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(model_dir), "--port", str(port),
+           "--max-batch", str(max_batch), "--max-waiting", str(4 * max_batch), *args.server_args.split()]
+    if args.device:
+        cmd += ["--device", args.device]
+    if args.dtype:
+        cmd += ["--dtype", args.dtype]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900  # loading, and capturing a graph per batch bucket
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"serve.py exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(1)
+    proc.kill()
+    sys.exit(f"serve.py did not start:\n{log.read_text()}")
+
+
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], output: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, tokens = None, 0
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"ok": False, "error": f"{r.status_code}: {r.text[:200]}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"ok": ttft is not None, "ttft": ttft, "tokens": tokens}
+
+
+async def level(url: str, model: str, concurrency: int, args, rng: random.Random, vocab: int) -> dict:
+    n = concurrency * args.requests_per_client
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+               for _ in range(n)]
+    todo = list(range(n))
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+
+        async def client():
+            while todo:
+                i = todo.pop()
+                try:
+                    results.append(await one_request(http, url, model, prompts[i], args.output))
+                except httpx.HTTPError as err:
+                    results.append({"ok": False, "error": repr(err)})
+
+        start = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(concurrency))), args.timeout)
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    ttfts = sorted(r["ttft"] * 1e3 for r in ok)
+
+    def pct(q: float) -> float:
+        return round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 2) if ttfts else float("nan")
+
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        print(f"  {len(failed)} failed, e.g. {failed[0]['error']}", file=sys.stderr)
+    return {"concurrency": concurrency, "prompt_tokens": f"{args.prompt_min}-{args.prompt_max}",
+            "prompt_tokens_mean": round(sum(map(len, prompts)) / n, 1), "output_tokens": args.output,
+            "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "ttft_ms_p50": pct(0.5),
+            "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed)}
+
+
+def versions() -> dict:
+    import fastapi
+    import torch
+    import triton
+    import uvicorn
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+            "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__}
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(c, [r["total_tok_s"] for r in results], "o-")
+    a.set(xscale="log", xlabel="concurrent streaming clients", ylabel="generated tok/s (all clients)", title=title)
+    b.plot(c, [r["ttft_ms_p50"] for r in results], "o-", label="p50")
+    b.plot(c, [r["ttft_ms_p99"] for r in results], "s--", label="p99")
+    b.set(xscale="log", yscale="log", xlabel="concurrent streaming clients", ylabel="time to first token (ms)")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    proc, tmp = None, None
+    try:
+        if args.url:
+            url = args.url.rstrip("/")
+        else:
+            if args.config:
+                tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+                model_dir = random_checkpoint(args.config, tmp / f"qwen3-{args.config}")
+            else:
+                model_dir = args.model or SHIPPED
+            log = Path(tempfile.gettempdir()) / f"bench-serve-{os.getpid()}.log"
+            proc, url = start_server(model_dir, args, max(args.concurrency), log)
+            print(f"server log: {log}", file=sys.stderr)
+        info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+        model = info["id"]
+        vocab = args.vocab
+        if vocab is None:
+            from transformers import AutoConfig
+
+            vocab = AutoConfig.from_pretrained(model_dir).vocab_size if not args.url else 1000
+        name = f"qwen3-{args.config}" if args.config else model
+        asyncio.run(level(url, model, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng,
+                          vocab))  # warm-up
+        results = []
+        for c in args.concurrency:
+            r = {"model": name, **asyncio.run(level(url, model, c, args, rng, vocab))}
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    doc = {"date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(), "gpu": gpu_name(),
+           "versions": versions(), "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(results, args.plot, name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Serve a Qwen3 checkpoint over an OpenAI-compatible HTTP API: python scripts/serve.py [--model DIR]
+
+Continuous batching over a paged KV cache (qwen3/engine.py), FastAPI + uvicorn (qwen3/server.py).
+Without --model it serves the small model shipped in weights/, so it runs on a fresh checkout,
+on the CPU too. Then:
+
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from ops import IMPLS  # noqa: E402
+from qwen3 import PagedKVCache, Qwen3ForCausalLM  # noqa: E402
+from qwen3.engine import Engine  # noqa: E402
+from qwen3.text import load_tokenizer  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (HF layout)")
+    p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for a place in the batch; more get 429 (default: 256)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: CUDA: 80%% of free GPU memory, at most what max-batch full-"
+                        "context sequences use; CPU: 2048 tokens per batch row)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)")
+    args = p.parse_args(argv)
+    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1:
+        p.error("--max-batch and --block-size must be >= 1, --max-waiting >= 0")
+    return args
+
+
+def default_blocks(model, device: torch.device, max_batch: int, block_size: int) -> int | None:
+    """On CUDA: 80% of the free memory, but no more than max_batch full-context sequences need."""
+    if device.type != "cuda":
+        return None  # the engine's default
+    free, _ = torch.cuda.mem_get_info(device)
+    by_memory = int(0.8 * free) // PagedKVCache.bytes_per_block(model, block_size)
+    full = max_batch * -(-model.config.max_position_embeddings // block_size)
+    return max(1, min(by_memory, full))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import uvicorn
+
+    from qwen3.server import create_app
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if not args.model.is_dir():
+        sys.exit(f"serve.py: error: no model directory at {args.model}")
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype, device=device, norm_impl=args.norm,
+                                                 progress=False)
+        n_blocks = args.num_blocks or default_blocks(model, device, args.max_batch, args.block_size)
+        engine = Engine(model, tokenizer, n_blocks=n_blocks, block_size=args.block_size, max_batch=args.max_batch,
+                        max_waiting=args.max_waiting, cuda_graph=args.cuda_graph)
+    except (OSError, ValueError, KeyError) as err:
+        sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
+    name = args.served_model_name or args.model.resolve().name
+    print(f"serving {name} on {device} {str(dtype).removeprefix('torch.')}: {engine.cache.n_blocks} KV blocks of "
+          f"{engine.cache.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
+          file=sys.stderr, flush=True)
+    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

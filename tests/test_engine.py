@@ -1,0 +1,316 @@
+"""The paged KV cache, paged decode attention and the continuous-batching engine, on the CPU.
+
+References: the contiguous KVCache / decode kernel (a paged read must see exactly what a
+contiguous one sees), the no-cache forward, and `model.generate` of each request alone (what
+a request must produce whatever runs beside it)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import hf_model, save
+from conftest import DEVICE, requires_cuda
+from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+
+from ops.decode_attention import decode_attention
+from qwen3 import PagedKVCache, Qwen3ForCausalLM
+from qwen3.engine import Engine, QueueFull, Request
+from qwen3.sampling import SamplingParams
+from qwen3.text import load_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0)
+SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: these are many tiny forwards, which OpenMP threads only slow down when
+    the machine's cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_slice_per_row(monkeypatch):
+    """The decode kernel in one slice per row: the interpreter runs programs one after another, and
+    the default split (enough programs to fill a GPU) would cost minutes over a whole generation.
+    The split's own correctness is test_decode_ops' and test_paged_decode_attention_equals_contiguous's."""
+    import ops.decode_attention
+
+    monkeypatch.setattr(ops.decode_attention, "TARGET_PROGRAMS", 1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = save(hf_model(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("engine"))
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, device=DEVICE, progress=False)
+
+
+def prompts(lengths, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def alone(model, prompt, max_tokens, **kwargs):
+    """The tokens model.generate gives this prompt by itself."""
+    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_tokens, eos_token_id=[], **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def collect(engine, request):
+    """Add a request; returns the list its outputs are appended to."""
+    outputs = []
+    engine.add(request, outputs.append)
+    return outputs
+
+
+def tokens(outputs):
+    return [t for o in outputs for t in o.token_ids]
+
+
+# ---- the paged cache ---------------------------------------------------------------------------
+
+
+def test_blocks_are_allocated_released_and_reused():
+    cache = PagedKVCache(1, n_blocks=5, block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=DEVICE)
+    assert cache.num_free == 5 and cache.blocks_for(9) == 3 and cache.blocks_for(8) == 2
+    a = cache.allocate(3)
+    b = cache.allocate(2)
+    assert sorted(a + b) == [0, 1, 2, 3, 4] and cache.num_free == 0
+    assert cache.allocate(1) is None and cache.num_free == 0  # out of blocks: nothing taken
+    cache.release(a)
+    assert cache.num_free == 3
+    assert sorted(cache.allocate(3)) == sorted(a)  # the freed blocks are handed out again
+    cache.release(b)
+    with pytest.raises(RuntimeError, match="released twice"):
+        cache.release(b)
+
+
+def test_slots_follow_the_block_table():
+    cache = PagedKVCache(1, n_blocks=6, block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=DEVICE)
+    table = torch.tensor([[5, 2, 0], [1, 3, 4]], device=DEVICE)
+    positions = torch.tensor([[0, 3, 4, 9], [2, 5, 11, 0]], device=DEVICE)
+    valid = torch.tensor([[True] * 4, [True, True, True, False]], device=DEVICE)
+    assert cache.slots(positions, valid, table).tolist() == [20, 23, 8, 1, 6, 13, 19, cache.scratch]
+
+
+def paged_copy(k_rows, v_rows, block_size, seed=0):
+    """The rows [B, S, K, hd] stored in shuffled blocks of a PagedKVCache, and their block table."""
+    B, S, K, hd = k_rows.shape
+    per_row = S // block_size
+    cache = PagedKVCache(1, B * per_row + 3, block_size, K, hd, k_rows.dtype, k_rows.device)
+    order = torch.randperm(cache.n_blocks, generator=torch.Generator().manual_seed(seed))[: B * per_row]
+    table = order.view(B, per_row).to(k_rows.device)
+    positions = torch.arange(S, device=k_rows.device).expand(B, S)
+    slots = cache.slots(positions, None, table)
+    cache.write(0, slots, k_rows, v_rows)
+    return cache, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_equals_contiguous(dtype):
+    """The Triton kernel (interpreted on the CPU) reading keys through a block table gives the
+    bits it gives reading the same keys from contiguous rows; so does the torch path (gather)."""
+    B, S, H, K, hd, block = 3, 96, 4, 2, 32, 16
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, hd, generator=gen).to(DEVICE, dtype)
+    k_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
+    v_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
+    seq_lens = torch.tensor([1, 50, 96], device=DEVICE)
+    cache, table = paged_copy(k_rows, v_rows, block)
+    k_blocks, v_blocks = cache.blocks(0)
+    contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5)
+    paged = decode_attention(q, k_blocks, v_blocks, seq_lens, hd**-0.5, block_table=table)
+    assert torch.equal(paged, contiguous)
+    k_gathered, v_gathered = cache.gather(0, table)
+    assert torch.equal(k_gathered, k_rows) and torch.equal(v_gathered, v_rows)
+    with pytest.raises(ValueError, match="block_table must be"):
+        decode_attention(q, k_blocks, v_blocks, seq_lens, 1.0, block_table=table[:2])
+
+
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_paged_forward_equals_the_full_forward(model, norm_impl, one_slice_per_row):
+    """Two rows prefilled one at a time into scattered blocks, then decoded together one token
+    per step at their own positions: every step's logits equal the no-cache forward's, on the
+    torch path (gather + SDPA) and the fused one (the paged Triton kernel)."""
+    model.set_norm_impl(norm_impl)
+    rows = prompts([7, 3], model.config.vocab_size, seed=2)
+    more = prompts([6, 6], model.config.vocab_size, seed=3)
+    cache = PagedKVCache.for_model(model, n_blocks=12, block_size=4)
+    tables = [[9, 2, 11, 0, 5], [4, 7, 1, 10, 3]]
+    try:
+        with torch.no_grad():
+            for row, table in zip(rows, tables):
+                n = len(row)
+                model(torch.tensor([row], device=DEVICE), torch.arange(n, device=DEVICE)[None], cache=cache,
+                      block_table=torch.tensor([table], device=DEVICE))
+            table = torch.tensor(tables, device=DEVICE)
+            steps = []
+            for t in range(6):
+                ids = torch.tensor([[more[0][t]], [more[1][t]]], device=DEVICE)
+                positions = torch.tensor([[len(rows[0]) + t], [len(rows[1]) + t]], device=DEVICE)
+                steps.append(model(ids, positions, cache=cache, block_table=table)[:, 0])
+            for i in range(2):
+                full = model(torch.tensor([rows[i] + more[i]], device=DEVICE))[0, len(rows[i]) :]
+                torch.testing.assert_close(torch.stack([s[i] for s in steps]), full, rtol=LOGITS_FP32_RTOL,
+                                           atol=LOGITS_FP32_ATOL)
+            with pytest.raises(ValueError, match="needs a block_table"):
+                model(ids, positions, cache=cache)
+    finally:
+        model.set_norm_impl("auto")
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_impl, max_tokens", [("torch", [6, 14, 9, 4, 12]), ("triton", [2, 5, 3, 2, 3])])
+def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm_impl, max_tokens, one_slice_per_row):
+    """Five greedy requests of different lengths through a batch of 3: the later ones join as the
+    first ones finish; each gets exactly what model.generate gives it alone (on the torch path:
+    the fused one is tested equal to it in test_generation). Triton: fewer tokens, interpreted."""
+    lengths = [5, 11, 2, 8, 3]
+    requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
+                zip(prompts(lengths, model.config.vocab_size, seed=4), max_tokens)]
+    expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
+    model.set_norm_impl(norm_impl)
+    try:
+        engine = Engine(model, max_batch=3, n_blocks=64, block_size=4)
+        outputs = [collect(engine, r) for r in requests]
+        while engine.has_work():
+            engine.step()
+            assert len(engine.running) <= 3
+        for request, out, want in zip(requests, outputs, expected):
+            assert tokens(out) == want
+            assert out[-1].finish_reason == "length" and out[-1].completion_tokens == request.max_tokens
+        assert engine.peak_running == 3 and engine.free_blocks == 64
+    finally:
+        model.set_norm_impl("auto")
+
+
+def test_out_of_blocks_new_requests_wait_and_nothing_is_corrupted(model):
+    """A cache that holds about two sequences: the third waits in the queue until blocks free
+    up; sequences that outgrow the cache preempt the latest admitted, which is recomputed.
+    Every request still gets what it gets alone, and every block comes back."""
+    engine = Engine(model, max_batch=4, n_blocks=7, block_size=4)  # 28 token slots in all
+    requests = [Request(p, 10, GREEDY, eos_ids=()) for p in prompts([6, 5, 7], model.config.vocab_size, seed=6)]
+    outputs = [collect(engine, r) for r in requests]
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 1  # no blocks for the third's prompt + growth
+    assert engine.free_blocks == 3  # 2 + 2 prompt blocks taken; the third needs 2, and 1 per running is kept
+    engine.run(timeout_s=120)
+    assert engine.preemptions > 0
+    for request, out in zip(requests, outputs):
+        assert tokens(out) == alone(model, request.prompt_ids, 10, temperature=0.0)
+    assert engine.free_blocks == 7 and not engine.sequences
+
+
+def test_cancelling_frees_blocks_at_once_and_the_others_continue(model):
+    engine = Engine(model, max_batch=4, n_blocks=32, block_size=4)
+    a, b = prompts([6, 9], model.config.vocab_size, seed=7)
+    out_a = []
+    seq_a = engine.add(Request(a, 40, GREEDY, eos_ids=()), out_a.append)
+    out_b = collect(engine, Request(b, 12, GREEDY, eos_ids=()))
+    for _ in range(3):
+        engine.step()
+    held = len(seq_a.blocks)
+    free = engine.free_blocks
+    engine.cancel(seq_a.id)
+    engine.step()
+    assert out_a[-1].finish_reason == "cancelled" and not seq_a.blocks
+    assert engine.free_blocks >= free + held - 1  # a's blocks back (b may have taken one to grow)
+    engine.run(timeout_s=60)
+    assert tokens(out_b) == alone(model, b, 12, temperature=0.0)
+    assert engine.free_blocks == 32
+
+
+def test_per_request_seeds_and_parameters_do_not_depend_on_the_batch(model):
+    """A seeded sampled request gives the same tokens alone and beside other requests (its own
+    generator); a greedy one beside it is unaffected by its parameters."""
+    sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                             presence_penalty=0.3)
+    p, q = prompts([5, 8], model.config.vocab_size, seed=8)
+
+    def run(requests):
+        engine = Engine(model, max_batch=4, n_blocks=32, block_size=4)
+        outs = [collect(engine, r) for r in requests]
+        engine.run(timeout_s=60)
+        return [tokens(o) for o in outs]
+
+    seeded = Request(p, 15, sampled, seed=1234, eos_ids=())
+    (by_itself,) = run([seeded])
+    together = run([Request(q, 15, GREEDY, eos_ids=()), seeded, Request(p, 15, sampled, seed=99, eos_ids=())])
+    assert together[1] == by_itself and together[2] != by_itself
+    assert together[0] == alone(model, q, 15, temperature=0.0)
+    assert by_itself == alone(model, p, 15, seed=1234, **{k: getattr(sampled, k) for k in (
+        "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty")})
+
+
+def test_stop_tokens_and_strings():
+    """On the shipped model and its tokenizer: a stop string ends the text before it (and is never
+    streamed, not even in part), a stop token ends the tokens after it."""
+    shipped = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, device=DEVICE, progress=False)
+    tok = load_tokenizer(SHIPPED)
+    engine = Engine(shipped, tok, max_batch=2, n_blocks=32, block_size=8)
+    ids = tok("def add(a, b):", add_special_tokens=False)["input_ids"]
+    full = collect(engine, Request(ids, 24, GREEDY, eos_ids=()))
+    engine.run(timeout_s=60)
+    text = "".join(o.text for o in full)
+    assert text == tok.decode(alone(shipped, ids, 24, temperature=0.0), skip_special_tokens=True)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = collect(engine, Request(ids, 24, GREEDY, stop=(stop, "never-printed"), eos_ids=()))
+    eos = tokens(full)[2]
+    stopped = collect(engine, Request(ids, 24, GREEDY, eos_ids=(eos,)))
+    engine.run(timeout_s=60)
+    assert "".join(o.text for o in cut) == text[: text.index(stop)] and cut[-1].finish_reason == "stop"
+    assert all(stop not in o.text for o in cut)
+    assert tokens(stopped) == tokens(full)[: tokens(full).index(eos) + 1] and stopped[-1].finish_reason == "stop"
+    assert engine.free_blocks == 32
+
+
+def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model):
+    engine = Engine(model, max_batch=1, n_blocks=8, block_size=4, max_waiting=1)
+    ctx = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"maximum context length is {ctx} tokens.*requested {ctx + 1} tokens"):
+        engine.check(Request([1] * (ctx - 9), 10))
+    with pytest.raises(ValueError, match="needs 9 KV-cache blocks"):
+        engine.check(Request([1] * 30, 6))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.check(Request([], 6))
+    engine.submit(Request([1, 2], 4))  # one runs
+    engine.submit(Request([1, 2], 4))  # one waits
+    with pytest.raises(QueueFull, match="1 requests are running and 1 already waiting"):
+        engine.submit(Request([1, 2], 4))
+    engine.run(timeout_s=30)
+    assert engine.free_blocks == 8
+
+
+def test_graph_buckets_and_the_cuda_graph_switch(model):
+    from qwen3.engine import batch_buckets
+
+    assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    if DEVICE.type == "cpu":
+        with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
+            Engine(model, cuda_graph=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("norm_impl", ["triton", "torch"])
+def test_graphed_engine_equals_eager_engine(model, norm_impl):
+    """On the GPU: decode steps replayed from the per-bucket CUDA graphs (batches of 5, 4, 3...
+    padded to buckets 8 and 4) choose the tokens the eager engine chooses."""
+    requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
+                zip(prompts([5, 30, 17, 2, 9], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16])]
+    model.set_norm_impl(norm_impl)
+    try:
+        results = []
+        for graph in (True, False):
+            engine = Engine(model, max_batch=8, n_blocks=64, block_size=16, cuda_graph=graph)
+            outs = [collect(engine, r) for r in requests]
+            engine.run(timeout_s=120)
+            results.append([tokens(o) for o in outs])
+    finally:
+        model.set_norm_impl("auto")
+    assert results[0] == results[1]
