@@ -69,9 +69,11 @@ def test_decode_attention_kernels_compile(dtype):
 
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "OUT": f"*{dtype}", "SEQ_LENS": "*i64",
                 "O_PART": "*fp32", "LSE_PART": "*fp32"}
-    compile_for_hopper(decode_attention._split_kernel, pointers,
-                       dict(N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=32, BLOCK_N=64,
-                            FP32=dtype == "fp32"), floats=("scale",))
+    pointers["BLOCK_TABLE"] = "*i64"  # the engine's block tables are int64
+    for paged in (False, True):  # rows of one cache tensor, or blocks of a paged cache
+        compile_for_hopper(decode_attention._split_kernel, pointers,
+                           dict(PAGED=paged, PAGE=16, N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=32,
+                                BLOCK_N=64, FP32=dtype == "fp32"), floats=("scale",))
     compile_for_hopper(decode_attention._merge_kernel, pointers, dict(SPLITS=32, BLOCK_SPLITS=32, HD=128,
                                                                       BLOCK_HD=128))
 
