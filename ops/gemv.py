@@ -23,8 +23,9 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps). Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 outputs per
     program and 1024-wide strides along K, so that many programs stream at once. Large ones (8B's):
     programs of 4-32 outputs, enough to cover the SMs twice, 512 wide: fewer programs re-read the
-    input row (the gated down projection recomputes silu(gate) * up in each). Each the faster
-    of the two in whole-model decoding on the H200 (docs/benchmarks/decode-notes.md)."""
+    input row (the gated down projection recomputes silu(gate) * up in each, so 2 outputs per
+    program would re-read a 48 KB row thousands of times). docs/benchmarks/decode-notes.md has
+    the whole-model measurements behind both."""
     if N * K < 8 * 2**20:
         return (2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4
     block_n = 4

@@ -135,10 +135,11 @@ class PagedKVCache:
         return taken[::-1]
 
     def release(self, blocks: list[int]) -> None:
-        """Return blocks to the free list (a sequence that ended or was cancelled)."""
+        """Return blocks to the free list (a sequence that ended or was cancelled). Checked whole
+        before anything changes, so a bad call leaves the free list as it was."""
+        if len(set(blocks)) != len(blocks) or any(self._is_free[block] for block in blocks):
+            raise RuntimeError(f"blocks {blocks} include one released twice")
         for block in blocks:
-            if self._is_free[block]:
-                raise RuntimeError(f"block {block} was released twice")
             self._is_free[block] = True
         self._free.extend(reversed(blocks))
 

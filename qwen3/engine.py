@@ -73,7 +73,7 @@ class QueueFull(Exception):
     """More requests wait than the engine's queue bound allows."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `seq in self.running` must not compare tensors
 class Sequence:
     id: int
     request: Request
@@ -100,7 +100,7 @@ class Sequence:
     @property
     def plain_greedy(self) -> bool:
         p = self.request.params
-        return p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+        return p.greedy and not p.penalized
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -219,6 +219,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be integers in [0, {self.model.config.vocab_size})")
         if request.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if request.seed is not None and not 0 <= request.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {request.seed}")
         if n + request.max_tokens > self.max_len:
             raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you "
                              f"requested {n + request.max_tokens} tokens ({n} in the prompt, "
@@ -236,7 +238,12 @@ class Engine:
                 raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
                                 "try again later")
             self._in_flight += 1
-        seq = self._new_sequence(request, on_output)
+        try:
+            seq = self._new_sequence(request, on_output)
+        except BaseException:
+            with self._lock:
+                self._in_flight -= 1
+            raise
         self._inbox.put(("add", seq))
         self._wake.set()
         return seq.id
@@ -302,7 +309,7 @@ class Engine:
     def _new_sequence(self, request: Request, on_output) -> Sequence:
         params = request.params
         seen = None
-        if params.repetition_penalty != 1.0 or params.presence_penalty != 0.0:
+        if params.penalized:
             seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(request.prompt_ids, device=self.device)] = True
         generator = None
@@ -453,5 +460,9 @@ class Engine:
         seq.sent = len(seq.text)
 
     def _emit(self, seq: Sequence, text: str, tokens: list[int], reason: str | None) -> None:
-        if seq.on_output is not None:
+        if seq.on_output is None:
+            return
+        try:
             seq.on_output(Output(text, tokens, reason, seq.n_prompt, seq.n_generated))
+        except Exception:  # one client's callback (a closed event loop, say) must not stop the engine
+            traceback.print_exc()

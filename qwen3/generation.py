@@ -166,7 +166,7 @@ def generate(
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: each row counts its own tokens
     next_positions = valid.sum(1, keepdim=True)  # [B, 1]
-    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+    penalized = params.penalized
     seen = None
     if penalized:  # [B, V]: tokens in the prompt or generated so far
         seen = torch.zeros(B, config.vocab_size, dtype=torch.bool, device=device)

@@ -51,6 +51,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether tokens already in the sequence change the logits (so they must be tracked)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+
 
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [B, V] fp32; seen [B, V] bool marks tokens in the prompt or generated so far."""

@@ -278,12 +278,29 @@ def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model)
         engine.check(Request([1] * 30, 6))
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.check(Request([], 6))
+    with pytest.raises(ValueError, match="seed must be an integer in"):  # refused before it takes a queue place
+        engine.submit(Request([1, 2], 4, seed=2**64))
     engine.submit(Request([1, 2], 4))  # one runs
     engine.submit(Request([1, 2], 4))  # one waits
     with pytest.raises(QueueFull, match="1 requests are running and 1 already waiting"):
         engine.submit(Request([1, 2], 4))
     engine.run(timeout_s=30)
     assert engine.free_blocks == 8
+
+
+def test_a_client_callback_that_raises_ends_only_its_own_request(model):
+    """The engine keeps serving the others when one request's output callback fails."""
+    engine = Engine(model, max_batch=2, n_blocks=16, block_size=4)
+    a, b = prompts([3, 4], model.config.vocab_size, seed=11)
+
+    def broken(output):
+        raise RuntimeError("the client's event loop is closed")
+
+    engine.add(Request(a, 6, GREEDY, eos_ids=()), broken)
+    out_b = collect(engine, Request(b, 6, GREEDY, eos_ids=()))
+    engine.run(timeout_s=60)
+    assert tokens(out_b) == alone(model, b, 6, temperature=0.0)
+    assert engine.free_blocks == 16
 
 
 def test_graph_buckets_and_the_cuda_graph_switch(model):
