@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import PagedKVCache
-from .generation import resolve_eos, warm_up_on_a_side_stream
+from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
 from .sampling import SamplingParams, next_token
 from .text import TextStream
 
@@ -185,10 +185,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos = eos
-        if cuda_graph is None:
-            cuda_graph = self.device.type == "cuda"
-        if cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {self.device}")
+        cuda_graph = resolve_cuda_graph(cuda_graph, self.device)
         self.decode = PagedDecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
 
         self.waiting: deque[Sequence] = deque()

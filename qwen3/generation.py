@@ -42,6 +42,15 @@ def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, c
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def resolve_cuda_graph(cuda_graph: bool | None, device: torch.device) -> bool:
+    """Whether decode steps replay from CUDA graphs: the caller's choice, by default on CUDA."""
+    if cuda_graph is None:
+        return device.type == "cuda"
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    return cuda_graph
+
+
 def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists of different lengths as one batch, padded on the left with `pad`:
     (input_ids [B, T], attention_mask [B, T], 1 = token)."""
@@ -141,10 +150,7 @@ def generate(
         )
     check_input_ids(input_ids, config.vocab_size)
     device = model.lm_head.weight.device
-    if cuda_graph is None:
-        cuda_graph = device.type == "cuda"
-    if cuda_graph and device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
+    cuda_graph = resolve_cuda_graph(cuda_graph, device)
     input_ids = input_ids.to(device)
 
     eos_ids = resolve_eos(eos_token_id, gen_config, config)
