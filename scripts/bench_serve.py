@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server-args", default="", help="more flags for serve.py, e.g. '--num-blocks 20000'")
     p.add_argument("--timeout", type=float, default=600, help="seconds a level may take at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD, where there is one)")
+    p.add_argument("--server-log", type=Path, default=None, help="where the server's output goes (default: a temp file)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
     return p.parse_args(argv)
@@ -199,7 +201,7 @@ def main(argv=None) -> None:
                 model_dir = random_checkpoint(args.config, tmp / f"qwen3-{args.config}")
             else:
                 model_dir = args.model or SHIPPED
-            log = Path(tempfile.gettempdir()) / f"bench-serve-{os.getpid()}.log"
+            log = args.server_log or Path(tempfile.gettempdir()) / f"bench-serve-{os.getpid()}.log"
             proc, url = start_server(model_dir, args, max(args.concurrency), log)
             print(f"server log: {log}", file=sys.stderr)
         info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
@@ -223,8 +225,9 @@ def main(argv=None) -> None:
             proc.wait(timeout=60)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    doc = {"date": datetime.date.today().isoformat(), "commit": commit.stdout.strip(), "gpu": gpu_name(),
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT).stdout.strip()
+    doc = {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": gpu_name(),
            "versions": versions(), "results": results}
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
-#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b]
+#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
@@ -10,6 +10,10 @@
 #        about 4-5 minutes on one H200 (most of it compiling), less where the tests stage built the CUDA op.
 # decode-MODEL: scripts/bench_generate.py for one model at batch 1, 8, 32 and 64 (transformers at 1 and 64
 #        for 0.6b, at 1 for 8b: its compile takes about a minute per shape), rows added to OUT/decode-h200.json.
+#        decode-30b-a3b: the MoE model at batch 1 and 32 (transformers eagerly at 1), about 4 minutes.
+# serve: scripts/bench_serve.py at the 0.6B config, 1, 20, 64 and 256 clients, into OUT/serve-h200.{json,png}.
+#        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
+#        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
@@ -30,18 +34,26 @@ for stage in $stages; do
       tail -n 3 "$out/gpu-tests.log" ;;
     gpu-tests)
       timeout 540 python -m pytest -q tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
-        tests/test_model.py tests/test_generation.py $(ls tests/test_moe.py 2>/dev/null) > "$out/gpu-tests.log" 2>&1
+        tests/test_model.py tests/test_generation.py tests/test_moe.py tests/test_engine.py > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
     bench)
       timeout 540 python scripts/bench_rmsnorm.py --out "$out/bench" ${COMMIT:+--commit "$COMMIT"} > "$out/bench.log" 2>&1
       tail -n 5 "$out/bench.log"
       tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench" ;;
+    decode-30b-a3b)
+      timeout 540 python scripts/bench_generate.py --models 30b-a3b --batches 1 32 --hf-batches 1 \
+        --engines ours ours_eager hf_eager --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
+      grep '^{' "$out/decode.log" | tail -n 8 ;;
     decode-*)
       model=${stage#decode-}
       hf_batches=$([ "$model" = 0.6b ] && echo "1 64" || echo 1)
       timeout 540 python scripts/bench_generate.py --models "$model" --batches 1 8 32 64 --hf-batches $hf_batches \
         --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
       grep '^{' "$out/decode.log" | tail -n 12 ;;
+    serve)
+      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
+      tail -n 8 "$out/serve.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   echo "== $stage took $((SECONDS - start)) s"
