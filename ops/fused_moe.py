@@ -7,6 +7,13 @@
 Each token goes to its k experts: y[n] = sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n]),
 expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
 
+Decode (at most PAIR_PATH_MAX_PAIRS pairs, e.g. batch 8 at k = 8): no routing plan. Each
+(token, expert) pair is its own row of work: one program per (pair, BLOCK_N output columns) reads
+its expert's weight rows once, as a GEMV does. Two pairs that share an expert read its weights
+twice, which costs less than sorting when the pairs are few and mostly hit different experts.
+Two launches (gate/up, down) and the combine.
+
+Prefill and large batches: grouped GEMMs over the pairs sorted by expert.
 1. Routing plan (torch ops on the device, no host sync, shapes from N, k and E alone): the N*k
    (token, expert) pairs are sorted by expert; each expert's run of pairs is cut into tiles of
    BLOCK_M rows. The number of tiles depends on the routing, so the grid is its upper bound
@@ -32,10 +39,18 @@ from .triton_helpers import dot, round_to
 
 __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 
+PAIR_PATH_MAX_PAIRS = 64  # (token, expert) pairs up to which each pair is computed on its own
 
-def tile_config(pairs: int, D: int, I: int) -> tuple[int, int, int]:  # noqa: E741
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-row tiles while few pairs share an expert (decode), 64 for
-    prefill; not tuned yet."""
+
+def pair_config(D: int, I: int) -> tuple[int, int]:  # noqa: E741
+    """(BLOCK_N, BLOCK_K) of the pair kernels: a few output rows per program, so that even one
+    pair's GEMV spreads over every SM (I = 768: 96 programs per pair at BLOCK_N 8)."""
+    return 8, min(512, triton.next_power_of_2(max(D, I)))
+
+
+def tile_config(pairs: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the sorted path: 16-row tiles while few pairs share an
+    expert (batched decode), 64 for prefill; not tuned yet."""
     return (16 if pairs <= 256 else 64), 64, 64
 
 
@@ -124,6 +139,57 @@ def _down_kernel(H, W2, TOPK_WEIGHTS, Y, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW
 
 
 @triton.jit
+def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa: E741
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """H[pair, cols] = silu(x_n @ gate_e^T) * (x_n @ up_e^T) for pair = n * TOP_K + j, e = its expert;
+    fp32 products summed in fp32 (a GEMV: no tensor cores, no TF32)."""
+    pair = tl.program_id(0).to(tl.int64)
+    token = pair // TOP_K
+    expert = tl.load(TOPK_IDS + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    w = W13 + expert * 2 * I * D
+    gate = tl.zeros([BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < D
+        x = tl.load(X + token * D + k, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w_gate = tl.load(w + cols[:, None].to(tl.int64) * D + k[None, :], mask=w_mask, other=0.0)
+        w_up = tl.load(w + (I + cols[:, None]).to(tl.int64) * D + k[None, :], mask=w_mask, other=0.0)
+        gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
+    dtype = H.dtype.element_ty
+    gate = round_to(gate, dtype).to(tl.float32)
+    up = round_to(up, dtype).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    tl.store(H + pair * I + cols, round_to(silu * up, dtype), mask=col_ok)
+
+
+@triton.jit
+def _down_pair_kernel(H, W2, TOPK_WEIGHTS, TOPK_IDS, Y, D, I,  # noqa: E741
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[pair, cols] = (H[pair] @ down_e^T) * weight[pair], e = the pair's expert."""
+    pair = tl.program_id(0).to(tl.int64)
+    expert = tl.load(TOPK_IDS + pair).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    w = W2 + expert * D * I
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        h = tl.load(H + pair * I + k, mask=k_ok, other=0.0).to(tl.float32)
+        w_down = tl.load(w + cols[:, None].to(tl.int64) * I + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+        acc += tl.sum(w_down.to(tl.float32) * h[None, :], axis=1)
+    dtype = Y.dtype.element_ty
+    weight = tl.load(TOPK_WEIGHTS + pair).to(tl.float32)
+    tl.store(Y + pair * D + cols, round_to(round_to(acc, dtype).to(tl.float32) * weight, dtype), mask=col_ok)
+
+
+@triton.jit
 def _combine_kernel(Y, TOPK_IDS, OUT, D, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_D: tl.constexpr):
     """OUT[n] = the k rows Y[n * k + j] added to zero in increasing expert id, each sum rounded."""
     n = tl.program_id(0).to(tl.int64)
@@ -151,18 +217,26 @@ def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if N == 0:
         return out
     pairs = N * top_k
-    block_m, block_n, block_k = tile_config(pairs, D, I)
-    order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)
-    tiles = tile_expert.numel()
-    ieee = x.dtype == torch.float32
-    h = x.new_empty(pairs, I)  # [N*k, I] in sorted order
-    _gate_up_kernel[(tiles, triton.cdiv(I, block_n))](
-        x, w13, h, order, tile_expert, tile_row0, tile_row_end, D, I, E, TOP_K=top_k, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     y = x.new_empty(pairs, D)  # [N*k, D] by pair
-    _down_kernel[(tiles, triton.cdiv(D, block_n))](
-        h, w2, topk_weights, y, order, tile_expert, tile_row0, tile_row_end, D, I, E, IEEE=ieee,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    if pairs <= PAIR_PATH_MAX_PAIRS:
+        block_n, block_k = pair_config(D, I)
+        h = x.new_empty(pairs, I)  # [N*k, I] by pair
+        _gate_up_pair_kernel[(pairs, triton.cdiv(I, block_n))](x, w13, h, topk_ids, D, I, TOP_K=top_k,
+                                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        _down_pair_kernel[(pairs, triton.cdiv(D, block_n))](h, w2, topk_weights, topk_ids, y, D, I,
+                                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    else:
+        block_m, block_n, block_k = tile_config(pairs)
+        order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)
+        tiles = tile_expert.numel()
+        ieee = x.dtype == torch.float32
+        h = x.new_empty(pairs, I)  # [N*k, I] in sorted order
+        _gate_up_kernel[(tiles, triton.cdiv(I, block_n))](
+            x, w13, h, order, tile_expert, tile_row0, tile_row_end, D, I, E, TOP_K=top_k, IEEE=ieee,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        _down_kernel[(tiles, triton.cdiv(D, block_n))](
+            h, w2, topk_weights, y, order, tile_expert, tile_row0, tile_row_end, D, I, E, IEEE=ieee,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(N, triton.cdiv(D, block_d))](y, topk_ids, out, D, TOP_K=top_k,
                                                   K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, num_warps=4)

@@ -129,10 +129,10 @@ class PagedKVCache:
         """n free blocks, or None (and nothing taken) when fewer than n are free."""
         if n > len(self._free):
             return None
-        taken, self._free = self._free[len(self._free) - n :], self._free[: len(self._free) - n]
+        taken = [self._free.pop() for _ in range(n)]  # from the top: O(n), not O(free)
         for block in taken:
             self._is_free[block] = False
-        return taken[::-1]
+        return taken
 
     def release(self, blocks: list[int]) -> None:
         """Return blocks to the free list (a sequence that ended or was cancelled). Checked whole

@@ -4,8 +4,8 @@ Requests join and leave the running batch between decode steps. Each engine step
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
    blocks return to the cache at once;
 2. admits waiting requests while the batch has room and the cache has blocks for their prompt,
-   and prefills each in a forward of its own (B = 1, so a prompt is computed exactly as
-   `model.generate` computes it alone), which samples its first token;
+   and prefills them, several prompts per forward (right-padded), which samples each one's
+   first token;
 3. runs one decode step over every running sequence: one token per row, rows of different
    lengths, keys read through each row's block table; then samples each row with its own
    parameters, applies its stops, hands new text to its consumer, and frees the blocks of the
@@ -42,6 +42,11 @@ from .cache import PagedKVCache
 from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
 from .sampling import SamplingParams, next_token
 from .text import TextStream
+
+# Prompts admitted in the same step are prefilled together, right-padded to the longest, up to
+# this many tokens (padding included) per forward: one forward of a few thousand tokens keeps
+# the GPU busy where a short prompt alone would leave it waiting on kernel launches.
+PREFILL_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class Sequence:
     seen: torch.Tensor | None  # [V] bool: tokens present so far (only when a penalty needs it)
     stream: TextStream | None
     blocks: list[int] = field(default_factory=list)
+    row: int = -1  # while running: its row of the engine's block table (see Engine.block_rows)
     cached: int = 0  # positions [0, cached) are in the cache
     text: str = ""  # generated text decoded so far
     sent: int = 0  # characters of text already handed out
@@ -148,7 +154,7 @@ class PagedDecodeStep:
         bucket = next(b for b in self.buckets if b >= B)
         self.ids[:B].copy_(ids)
         self.positions[:B].copy_(positions)
-        self.block_table[:B].copy_(block_table)
+        self.block_table[:B, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
         self.valid[:B] = True
         self.valid[B:bucket] = False  # padding rows: position 0 of block 0, written to scratch
         self.positions[B:bucket] = 0
@@ -179,6 +185,10 @@ class Engine:
         if n_blocks is None:
             n_blocks = max_batch * -(-min(self.max_len, 2048) // block_size)
         self.cache = PagedKVCache.for_model(model, n_blocks, block_size)
+        # Each running sequence owns a row of this host-side table, written a block at a time as the
+        # sequence grows: a decode step gathers its rows' first columns, never rebuilds the table.
+        self.block_rows = torch.zeros(max_batch, self.table_width, dtype=torch.long)
+        self._free_rows = list(range(max_batch - 1, -1, -1))
         self.max_batch, self.max_waiting = max_batch, max_waiting
         gen_config = getattr(model, "generation_config", {}) or {}
         eos = set(resolve_eos(None, gen_config, config))
@@ -336,26 +346,45 @@ class Engine:
     def _admit(self) -> None:
         """Prefill waiting sequences, oldest first, while the batch has room and the cache has
         blocks for them (keeping one per running sequence for its next token)."""
+        admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             need = self.cache.blocks_for(len(seq.ids))
             if self.cache.num_free - need < len(self.running):
-                return
+                break
             self.waiting.popleft()
             seq.blocks = self.cache.allocate(need)
+            seq.row = self._free_rows.pop()
+            self.block_rows[seq.row, :need] = torch.tensor(seq.blocks)
             self.running.append(seq)
-            self._prefill(seq)
+            admitted.append(seq)
+        group: list[Sequence] = []
+        for seq in admitted:  # in groups of at most PREFILL_TOKENS padded tokens
+            if group and (len(group) + 1) * max(len(seq.ids), *(len(s.ids) for s in group)) > PREFILL_TOKENS:
+                self._prefill(group)
+                group = []
+            group.append(seq)
+        if group:
+            self._prefill(group)
 
-    def _prefill(self, seq: Sequence) -> None:
-        """All of the sequence's tokens in one forward (a preempted one's generated tokens too);
-        the logits of the last give its next token."""
-        n = len(seq.ids)
-        ids = torch.tensor([seq.ids], device=self.device)
-        positions = torch.arange(n, device=self.device)[None]
-        table = torch.tensor([seq.blocks], device=self.device)
-        logits = self.model(ids, positions, cache=self.cache, last_only=True, block_table=table)[:, -1]
-        seq.cached = n
-        self._accept(seq, self._sample(logits, [seq])[0])
+    def _prefill(self, group: list[Sequence]) -> None:
+        """Each sequence's tokens (a preempted one's generated tokens too) in one forward, the rows
+        right-padded to the longest; the logits of each row's last token give its next token."""
+        lengths = [len(s.ids) for s in group]
+        T = max(lengths)
+        ids = torch.tensor([s.ids + [0] * (T - len(s.ids)) for s in group], device=self.device)
+        positions = torch.arange(T, device=self.device).expand(len(group), T)
+        valid = None
+        if min(lengths) < T:
+            valid = torch.arange(T) < torch.tensor(lengths)[:, None]
+        width = max(len(s.blocks) for s in group)
+        table = self.block_rows[torch.tensor([s.row for s in group]), :width].to(self.device)
+        logits = self.model(ids, positions, cache=self.cache, attention_mask=valid, last_only=True,
+                            block_table=table)[:, -1]
+        for seq, n in zip(group, lengths):
+            seq.cached = n
+        for seq, token in zip(group, self._sample(logits, group)):
+            self._accept(seq, token)
 
     def _grow(self) -> None:
         """Give every running sequence a block for the position its next token is written to,
@@ -368,12 +397,14 @@ class Engine:
                 continue
             block = self.cache.allocate(1)
             if block is not None:
+                self.block_rows[seq.row, len(seq.blocks)] = block[0]
                 seq.blocks += block
                 i += 1
                 continue
             victim = self.running.pop()  # the latest admitted: maybe seq itself
             self.cache.release(victim.blocks)
-            victim.blocks, victim.cached = [], 0
+            self._free_rows.append(victim.row)
+            victim.blocks, victim.cached, victim.row = [], 0, -1
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
@@ -385,7 +416,8 @@ class Engine:
         self.peak_running = max(self.peak_running, len(seqs))
         ids = torch.tensor([[s.ids[-1]] for s in seqs], device=self.device)
         positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
-        table = torch.tensor([s.blocks + [0] * (self.table_width - len(s.blocks)) for s in seqs], device=self.device)
+        width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
+        table = self.block_rows[torch.tensor([s.row for s in seqs]), :width].to(self.device)
         logits = self.decode(ids, positions, table)
         for s in seqs:
             s.cached += 1
@@ -395,7 +427,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Each row's next token with its own parameters and generator. Plain greedy rows share
         one argmax; the others are sampled one by one (correctness over speed)."""
-        tokens = logits.float().argmax(-1).tolist()
+        tokens = logits.argmax(-1).tolist()  # (exact in any dtype: no float copy of [B, V])
         for row, s in enumerate(seqs):
             if not s.plain_greedy:
                 seen = s.seen[None] if s.seen is not None else None
@@ -447,6 +479,8 @@ class Engine:
         seq.blocks = []
         if seq in self.running:
             self.running.remove(seq)
+            self._free_rows.append(seq.row)
+            seq.row = -1
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.sequences.pop(seq.id, None)

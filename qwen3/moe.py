@@ -91,11 +91,14 @@ class SparseMoeBlock(nn.Module):
         return weights.to(logits.dtype), ids
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """fused: the Triton kernel (ops/fused_moe.py); otherwise transformers' loop over the experts
-        that received tokens (the reference, differentiable, and what runs on the CPU)."""
+        """The Triton kernel (ops/fused_moe.py) on the fused path, and on CUDA whenever no gradient
+        is needed, whatever the norm: the reference loop asks the host which experts were hit,
+        which a CUDA graph cannot capture. Otherwise transformers' loop over the experts that
+        received tokens (the reference, differentiable, and what runs on the CPU)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
         weights, ids = self.route(x)
-        moe = fused_moe if fused else fused_moe_reference
+        kernel = fused or (x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad))
+        moe = fused_moe if kernel else fused_moe_reference
         return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
 

@@ -11,15 +11,18 @@ client disconnects, so a dropped stream cancels its sequence and frees its block
 bodies are parsed by hand and checked by pydantic, so every bad request gets OpenAI's error
 shape ({"error": {"message", "type", "param", "code"}}), never FastAPI's own 422.
 
-The engine runs in its own thread and owns the model; a request hands it a callback that puts
-each output on the request's asyncio queue (call_soon_threadsafe), which the handler awaits.
+The engine runs in its own thread and owns the model; a request hands it a callback that
+appends each output to the request's Outputs, and the event loop is woken once per engine step
+for every request with news (see Outbox), not once per token.
 
 Choices made here:
 - A chat request to a model whose tokenizer has no chat template (the shipped base model) is
   refused with a 400 that points to /v1/completions; no plain-text fallback guesses a format.
 - n > 1, best_of, logprobs and echo are refused with a 400 (one choice per request).
-- Streams send a chunk per generated token, its text empty while the detokenizer or a possible
-  stop string holds text back, so a client sees every token's arrival (time to first token).
+- A stream sends a chunk per generated token while the server keeps up; when tokens arrive
+  faster than the event loop sends chunks (many concurrent streams), one chunk carries every
+  token that arrived since the last, so the loop's work per token falls as load rises. A chunk's
+  text may be empty while the detokenizer or a possible stop string holds text back.
 - Sampling parameters not given come from the checkpoint's generation_config.json, as in
   scripts/generate.py (so a greedy request equals `generate.py --temperature 0`); max_tokens
   defaults to 16 for completions (OpenAI's default) and to the rest of the context for chat.
@@ -31,6 +34,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -52,6 +56,55 @@ class OpenAIError(Exception):
     def response(self) -> JSONResponse:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return JSONResponse({"error": error}, status_code=self.status)
+
+
+class Outputs:
+    """One request's outputs, appended on the engine's thread, taken on the event loop."""
+
+    def __init__(self, outbox: "Outbox"):
+        self.outbox = outbox
+        self.items: deque[Output] = deque()
+        self.ready = asyncio.Event()
+
+    def put(self, out: Output) -> None:  # the engine's thread
+        self.items.append(out)
+        self.outbox.notify(self)
+
+    async def take(self) -> Output:
+        """Every output that arrived since the last take, merged into one (waits for one)."""
+        while not self.items:
+            await self.ready.wait()
+            self.ready.clear()
+        first = self.items.popleft()
+        text, tokens, last = [first.text], list(first.token_ids), first
+        while self.items:
+            last = self.items.popleft()
+            text.append(last.text)
+            tokens += last.token_ids
+        return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+
+
+class Outbox:
+    """Wakes the event loop for requests with new outputs: one call_soon_threadsafe (a write to
+    the loop's wake-up pipe) per burst of outputs, whichever requests they belong to, instead of
+    one per token. A burst is what the engine thread hands out before the loop runs `deliver`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.dirty: list[Outputs] = []
+        self.scheduled = False
+
+    def notify(self, outputs: Outputs) -> None:  # the engine's thread
+        self.dirty.append(outputs)
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self) -> None:  # the loop: cleared before the swap, so a later notify schedules again
+        self.scheduled = False
+        dirty, self.dirty = self.dirty, []
+        for outputs in dirty:
+            outputs.ready.set()
 
 
 class StreamOptions(BaseModel):
@@ -128,6 +181,7 @@ class Server:
         self.generation_config = getattr(engine.model, "generation_config", {}) or {}
         self.max_len = engine.max_len
         self.created = int(time.time())
+        self.outbox: Outbox | None = None  # made on the event loop's first request
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -188,10 +242,11 @@ class Server:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     async def run(self, http: Request, request: EngineRequest, chat: bool, stream: bool, include_usage: bool):
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        if self.outbox is None or self.outbox.loop is not asyncio.get_running_loop():
+            self.outbox = Outbox(asyncio.get_running_loop())
+        outputs = Outputs(self.outbox)
         try:
-            seq_id = self.engine.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+            seq_id = self.engine.submit(request, outputs.put)
         except QueueFull as err:
             raise OpenAIError(429, str(err), type_="rate_limit_error", code="queue_full") from err
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -203,7 +258,7 @@ class Server:
             text, out = "", None
             while out is None or out.finish_reason is None:
                 try:
-                    out = await asyncio.wait_for(outputs.get(), timeout=1.0)
+                    out = await asyncio.wait_for(outputs.take(), timeout=1.0)
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():  # nobody left to answer
                         return JSONResponse({}, status_code=499)
@@ -228,7 +283,7 @@ class Server:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def sse(self, outputs: asyncio.Queue, seq_id: int, rid: str, chat: bool, include_usage: bool):
+    async def sse(self, outputs: Outputs, seq_id: int, rid: str, chat: bool, include_usage: bool):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. If the client
         goes away, Starlette cancels this generator at its await: the finally cancels the sequence."""
         created = int(time.time())
@@ -251,7 +306,7 @@ class Server:
             if chat:
                 yield chunk(None, None, role=True)
             while True:
-                out = await outputs.get()  # one per token: a chunk per token, its text maybe "" (held back)
+                out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
                 yield chunk(out.text, out.finish_reason)
                 if out.finish_reason:
                     finished = True

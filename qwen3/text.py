@@ -39,19 +39,23 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = Tru
 
 class TextStream:
     """Turns a growing list of token ids into text pieces, never splitting a multi-byte
-    character: text ending in an incomplete UTF-8 sequence (U+FFFD) is held back."""
+    character. Each token is one step of the tokenizers library's DecodeStream (incremental:
+    the text so far is not decoded again, so a token costs the same at any length); flush()
+    ends the stream with what a full decode of every token adds to the pieces already out (a
+    character still incomplete at the end, as U+FFFD, as `tokenizer.decode` gives it)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.printed = 0  # characters already emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self.printed = text[self.printed :], len(text)
+        piece = self.stream.step(self.tokenizer.backend_tokenizer, token_id) or ""  # None: a character incomplete
+        self.printed += len(piece)
         return piece
 
     def flush(self) -> str:

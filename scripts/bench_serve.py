@@ -54,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds a level may take at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD, where there is one)")
-    p.add_argument("--server-log", type=Path, default=None, help="where the server's output goes (default: a temp file)")
+    p.add_argument("--server-log", type=Path, default=None,
+                   help="where the server's output goes (default: a temp file)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
     return p.parse_args(argv)

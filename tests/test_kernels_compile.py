@@ -104,3 +104,5 @@ def test_fused_moe_kernels_compile(dtype):
     compile_for_hopper(fused_moe._gate_up_kernel, pointers, dict(TOP_K=8, **blocks))
     compile_for_hopper(fused_moe._down_kernel, pointers, blocks)
     compile_for_hopper(fused_moe._combine_kernel, pointers, dict(TOP_K=8, K_POW2=8, BLOCK_D=1024))
+    compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512))
+    compile_for_hopper(fused_moe._down_pair_kernel, pointers, dict(BLOCK_N=8, BLOCK_K=512))

@@ -67,8 +67,10 @@ def random_routing(N, k, E, dtype, seed, unused=()):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "N, k, E, D, I",
-    [(22, 2, 8, 64, 32), (1, 8, 16, 64, 48), (70, 1, 4, 40, 24)],  # prefill-like, decode-like, odd widths
-    ids=["prefill", "decode", "top1-odd"],
+    # sorted tiles (more than PAIR_PATH_MAX_PAIRS pairs): prefill-like, top-1 with odd widths;
+    # one program row per pair: a decode step at batch 1 and at batch 8
+    [(33, 2, 8, 64, 32), (70, 1, 4, 40, 24), (1, 8, 16, 64, 48), (8, 4, 16, 72, 40)],
+    ids=["prefill", "top1-odd", "decode", "decode-batch8"],
 )
 def test_fused_moe_kernel_matches_the_torch_reference(dtype, N, k, E, D, I):  # noqa: E741
     """Random routing that leaves some experts without tokens. The kernel rounds where the reference
@@ -234,15 +236,17 @@ def test_logits_match_transformers(tmp_path, case, norm_impl):
     torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
 
 
-def test_triton_norms_take_the_fused_moe_kernel():
-    """norm_impl="triton" without autograd is the fused path: the sparse block runs the Triton
-    kernel there (so the triton cases above test it), and the torch loop elsewhere."""
+def test_which_path_runs_the_fused_moe_kernel():
+    """The sparse block runs the Triton kernel on the fused path (triton norms, no autograd: so the
+    triton cases above test it), and on CUDA whenever no gradient is needed (the torch loop syncs
+    the host, which a CUDA graph cannot capture); the torch loop otherwise."""
     model = Qwen3ForCausalLM(our_config(hf_moe_config(num_hidden_layers=1), norm_impl="torch")).to(DEVICE)
     ids = input_ids(model.config.vocab_size, B=1, T=4)
     with torch.no_grad():
-        assert "qwen3_ops::fused_moe" not in kernels_run(lambda: model(ids))
+        assert ("qwen3_ops::fused_moe" in kernels_run(lambda: model(ids))) == (DEVICE.type == "cuda")
         model.set_norm_impl("triton")
         assert "qwen3_ops::fused_moe" in kernels_run(lambda: model(ids))
+    assert "qwen3_ops::fused_moe" not in kernels_run(lambda: model(ids))  # autograd: the torch loop
 
 
 def test_sharded_checkpoint_with_hub_config_names(tmp_path):
