@@ -42,10 +42,14 @@ __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 PAIR_PATH_MAX_PAIRS = 64  # (token, expert) pairs up to which each pair is computed on its own
 
 
-def pair_config(D: int, I: int) -> tuple[int, int]:  # noqa: E741
-    """(BLOCK_N, BLOCK_K) of the pair kernels: a few output rows per program, so that even one
-    pair's GEMV spreads over every SM (I = 768: 96 programs per pair at BLOCK_N 8)."""
-    return 8, min(512, triton.next_power_of_2(max(D, I)))
+def pair_config(K: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a pair kernel over rows of K values: 8 output rows per program, so
+    that even one pair's GEMV spreads over every SM (I = 768 gate/up rows: 96 programs per pair);
+    K in chunks of up to 512 that divide it where one can (K = 768: 3 x 256, not 2 x 512 with a
+    quarter of the second masked off)."""
+    if K <= 512:
+        return 8, triton.next_power_of_2(K)
+    return 8, next((b for b in (512, 256, 128) if K % b == 0), 512)
 
 
 def tile_config(pairs: int) -> tuple[int, int, int]:
@@ -219,10 +223,11 @@ def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     pairs = N * top_k
     y = x.new_empty(pairs, D)  # [N*k, D] by pair
     if pairs <= PAIR_PATH_MAX_PAIRS:
-        block_n, block_k = pair_config(D, I)
         h = x.new_empty(pairs, I)  # [N*k, I] by pair
+        block_n, block_k = pair_config(D)
         _gate_up_pair_kernel[(pairs, triton.cdiv(I, block_n))](x, w13, h, topk_ids, D, I, TOP_K=top_k,
                                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        block_n, block_k = pair_config(I)
         _down_pair_kernel[(pairs, triton.cdiv(D, block_n))](h, w2, topk_weights, topk_ids, y, D, I,
                                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     else:

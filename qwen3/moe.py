@@ -10,13 +10,16 @@ reads. Checkpoints store one tensor per expert and projection (`experts.E.gate_p
 loader copies straight into them.
 
 Routing follows transformers' Qwen3MoeTopKRouter: logits in the activations' dtype, softmax in
-fp32, top-k, optional renormalization to sum 1 (norm_topk_prob), weights cast back.
+fp32, top-k, optional renormalization to sum 1 (norm_topk_prob), weights cast back; where the
+fused-MoE kernel runs, the steps after the logits are one Triton kernel (ops/moe_route.py).
 """
 
 import torch
 from torch import nn
 
 from ops.fused_moe import fused_moe, fused_moe_reference
+from ops.gemv import gemv
+from ops.moe_route import moe_route
 
 from .config import Qwen3Config
 
@@ -80,15 +83,19 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = Experts(config)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, expert ids [N, k]) for x [N, D]. Device-side ops only (topk
-        has a fixed output shape): no host sync."""
-        logits = self.gate(x)  # [N, E] in x's dtype
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(logits.dtype), ids
+        has a fixed output shape): no host sync. kernel: the top-k in one Triton kernel
+        (ops/moe_route.py), and one token's logits from the GEMV kernel."""
+        if not kernel:
+            logits = self.gate(x)  # [N, E] in x's dtype
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(logits.dtype), ids
+        logits = gemv(x, self.gate.weight) if x.shape[0] == 1 else self.gate(x)
+        return moe_route(logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         """The Triton kernel (ops/fused_moe.py) on the fused path, and on CUDA whenever no gradient
@@ -97,8 +104,8 @@ class SparseMoeBlock(nn.Module):
         received tokens (the reference, differentiable, and what runs on the CPU)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
-        weights, ids = self.route(x)
         kernel = fused or (x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad))
+        weights, ids = self.route(x, kernel)
         moe = fused_moe if kernel else fused_moe_reference
         return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
 

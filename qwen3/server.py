@@ -32,6 +32,7 @@ Choices made here:
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections import deque
@@ -45,6 +46,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .engine import Engine, Output, QueueFull
 from .engine import Request as EngineRequest
 from .generation import sampling_params
+
+# The engine's thread and the event loop share the GIL. The engine lets go of it at each torch
+# call (a copy, a graph replay, the wait for the GPU); getting it back from a busy event loop
+# takes up to Python's switch interval, 5 ms by default, which at a dozen torch calls per decode
+# step would stretch a 2 ms step several times over. While serving, the interval is 0.1 ms.
+GIL_SWITCH_INTERVAL_S = 1e-4
 
 
 class OpenAIError(Exception):
@@ -325,9 +332,12 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         engine.start()
         yield
         engine.stop()
+        sys.setswitchinterval(interval)
 
     app = FastAPI(title="qwen3-from-scratch", lifespan=lifespan)
     app.state.server = server

@@ -105,4 +105,8 @@ def test_fused_moe_kernels_compile(dtype):
     compile_for_hopper(fused_moe._down_kernel, pointers, blocks)
     compile_for_hopper(fused_moe._combine_kernel, pointers, dict(TOP_K=8, K_POW2=8, BLOCK_D=1024))
     compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512))
-    compile_for_hopper(fused_moe._down_pair_kernel, pointers, dict(BLOCK_N=8, BLOCK_K=512))
+    compile_for_hopper(fused_moe._down_pair_kernel, pointers, dict(BLOCK_N=8, BLOCK_K=256))
+    from ops import moe_route
+
+    route = {"LOGITS": f"*{dtype}", "WEIGHTS": f"*{dtype}", "IDS": "*i64"}
+    compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True))

@@ -14,6 +14,7 @@ from tolerances import LAYER_FP32_ATOL, LAYER_FP32_RTOL, LOGITS_FP32_ATOL, LOGIT
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from ops.fused_moe import fused_moe, fused_moe_reference, routing_plan
+from ops.moe_route import moe_route
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 from qwen3 import model as ours
 from qwen3.moe import SparseMoeBlock
@@ -103,6 +104,26 @@ def test_routing_plan_tiles_every_pair_once():
         assert (ids.reshape(-1)[rows] == tile_expert[t]).all()  # a tile holds one expert's pairs
         seen += rows.tolist()
     assert sorted(seen) == list(range(N * k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k, norm", [(8, True), (2, False), (1, True)])
+def test_routing_kernel_matches_the_transformers_router(dtype, top_k, norm):
+    """ops/moe_route.py against transformers' Qwen3MoeTopKRouter on the same logits: experts of
+    the same logits in the same order (the same experts where no two logits tie: always in fp32;
+    bf16 logits tie often, and torch orders ties as it likes), weights equal up to the fp32
+    softmax's last bits (the exp and the sum's order differ), one rounding step of bf16 at most."""
+    config = hf_moe_config(num_experts=40, num_experts_per_tok=top_k, norm_topk_prob=norm)
+    router = hf.Qwen3MoeTopKRouter(config).to(DEVICE, dtype)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(top_k))
+    x = hidden(dtype=dtype).reshape(-1, config.hidden_size)
+    with torch.no_grad():
+        logits, expected_weights, expected_ids = router(x)
+        weights, ids = moe_route(logits, top_k, norm)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, expected_ids))
+    if dtype == torch.float32 or DEVICE.type == "cpu":  # no ties, or ties in torch's CPU order
+        assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=0)
 
 
 def test_decode_routing_needs_no_host_sync():
