@@ -314,21 +314,21 @@ class Engine:
             self.step()
 
     def _new_sequence(self, request: Request, on_output) -> Sequence:
-        params = request.params
-        seen = None
-        if params.penalized:
-            seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
-            seen[torch.tensor(request.prompt_ids, device=self.device)] = True
-        generator = None
-        if request.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        """A sequence of host-side state only: any thread may make one (submit runs on the server's
+        event loop); its device state is made on the engine's thread, in _enqueue."""
         return Sequence(
             id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
-            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos, generator=generator, seen=seen,
+            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos, generator=None, seen=None,
             stream=TextStream(self.tokenizer) if self.tokenizer is not None else None,
         )
 
     def _enqueue(self, seq: Sequence) -> None:
+        request = seq.request
+        if request.params.penalized:
+            seq.seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
+            seq.seen[torch.tensor(request.prompt_ids, device=self.device)] = True
+        if request.seed is not None:
+            seq.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         self.sequences[seq.id] = seq
         self.waiting.append(seq)
 
