@@ -279,3 +279,27 @@ def test_past_the_queue_bound_requests_get_429_and_the_rest_are_served(server):
     assert h["running"] == 0 and h["waiting"] == 0 and h["free_blocks"] == h["total_blocks"], h
     after = client(server).completions.create(model=NAME, prompt="import sys", max_tokens=3, temperature=0)
     assert after.choices[0].finish_reason in ("length", "stop")
+
+
+def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk():
+    """The engine's thread appends outputs; the event loop, woken once for the burst, takes
+    everything since its last look as one output (text and tokens joined in order, the last
+    one's finish reason and counts), so a stream under load sends fewer, fuller chunks."""
+    from qwen3.engine import Output
+    from qwen3.server import Outbox, Outputs
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        outputs = Outputs(outbox)
+        pieces = [Output("a", [1], None, 3, 1), Output("bc", [2], None, 3, 2), Output("", [3], "length", 3, 3)]
+        thread = asyncio.to_thread(lambda: [outputs.put(out) for out in pieces])
+        await thread
+        merged = await asyncio.wait_for(outputs.take(), timeout=5)
+        assert (merged.text, merged.token_ids, merged.finish_reason, merged.completion_tokens) == (
+            "abc", [1, 2, 3], "length", 3)
+        assert not outputs.items
+        later = Output("d", [4], None, 3, 4)
+        await asyncio.to_thread(outputs.put, later)
+        assert await asyncio.wait_for(outputs.take(), timeout=5) == later  # one output: itself
+
+    asyncio.run(main())
