@@ -24,7 +24,7 @@ from torch import nn
 
 from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
 from ops.decode_attention import decode_attention
-from ops.gemv import gemv
+from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 
@@ -71,6 +71,17 @@ def linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
     if fused and x.numel() == x.shape[-1]:
         return gemv(x, layer.weight, layer.bias)
     return layer(x)
+
+
+def normed_linear(norm: "RMSNorm", layer: nn.Linear, h: torch.Tensor, residual: torch.Tensor | None,
+                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(s)), s) with s = h + residual (residual None: s = h): a pre-norm block's entry.
+    On the fused path a single row takes one GEMV kernel that adds and normalizes in its prologue
+    (ops/gemv.py's gemv_rms_norm, the norm's own arithmetic): no norm kernel of its own."""
+    if fused and h.numel() == h.shape[-1]:
+        return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias)
+    h, residual = norm(h, residual) if residual is not None else (norm(h), h)
+    return linear(layer, h, fused), residual
 
 
 def stack_fused_parts(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -247,9 +258,12 @@ class Attention(nn.Module):
         self.register_load_state_dict_pre_hook(stack_fused_parts)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
-        B, T, _ = x.shape  # [B, T, D]
+        return self.attend(linear(self.qkv_proj, x, batch.fused), batch, cache)  # x [B, T, D]
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: KVCache | None = None) -> torch.Tensor:
+        """The rest of forward, from the projected qkv [B, T, (H + 2K) * hd]."""
+        B, T, _ = qkv.shape
         H, K, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = linear(self.qkv_proj, x, batch.fused)  # [B, T, (H + 2K) * hd]
         k_cache, v_cache = cache.layer(self.layer_idx) if cache is not None else (None, None)  # [B*S+1, K, hd]
         if batch.fused:
             q, k = qk_norm_rope(qkv.view(B * T, -1), self.q_norm.weight, self.k_norm.weight, batch.cos, batch.sin,
@@ -302,7 +316,10 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(stack_fused_parts)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        gate_up = linear(self.gate_up_proj, x, fused)  # [B, T, 2F]
+        return self.down(linear(self.gate_up_proj, x, fused), fused)
+
+    def down(self, gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The rest of forward, from the projected [gate | up] [B, T, 2F]."""
         if fused and gate_up.numel() == gate_up.shape[-1]:  # one row: SwiGLU's product inside the GEMV
             return gemv(gate_up, self.down_proj.weight, gated=True)
         if fused:
@@ -323,12 +340,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
 
     def forward(self, h, residual, batch: ForwardBatch, cache: KVCache | None = None):
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, batch, cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual, batch.fused)
+        h = self.self_attn.attend(qkv, batch, cache)
+        if isinstance(self.mlp, MLP):
+            gate_up, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
+                                              batch.fused)
+            return self.mlp.down(gate_up, batch.fused), residual
+        h, residual = self.post_attention_layernorm(h, residual)  # the router and the experts read it
         return self.mlp(h, batch.fused), residual
 
 

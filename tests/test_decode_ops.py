@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from ops.decode_attention import decode_attention
-from ops.gemv import gemv
+from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 from qwen3.config import Qwen3Config
@@ -166,3 +166,23 @@ def test_gated_gemv_equals_transformers_mlp_down_projection(dtype):
     gate, up = gate_up.chunk(2, dim=-1)
     with torch.no_grad():
         assert_close(gemv(gate_up, down.weight, gated=True), down(ACT2FN["silu"](gate) * up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K, N", [(64, 96), (1024, 300), (2560, 40)], ids=["small", "one-chunk", "looped"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_gemv_rms_norm_equals_transformers_residual_add_norm_and_projection(dtype, K, N, residual):
+    """gemv_rms_norm(x, r, norm, eps, W) = W(Qwen3RMSNorm(r + x)) with the sum r + x, as the HF
+    decoder computes `residual + hidden_states` and the next layer's norm and projection."""
+    norm = hf.Qwen3RMSNorm(K, eps=1e-6).to(DEVICE, dtype)
+    layer = torch.nn.Linear(K, N, bias=True).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * randn(K, dtype=dtype, seed=1))
+    x, r = 4 * randn(1, 1, K, dtype=dtype, seed=2), 4 * randn(1, 1, K, dtype=dtype, seed=3)
+    with torch.no_grad():
+        summed = r + x if residual else x
+        y, s = gemv_rms_norm(x, r if residual else None, norm.weight, norm.variance_epsilon, layer.weight, layer.bias)
+        assert torch.equal(s, summed)  # one rounding, as torch's add
+        assert_close(y, layer(norm(summed)))
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        gemv_rms_norm(x, None, norm.weight[:-1], 1e-6, layer.weight)

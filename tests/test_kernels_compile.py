@@ -84,10 +84,12 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
         return run_compiled("test_gemv_and_silu_mul_kernels_compile", dtype)
     from ops import gemv, silu_mul
 
-    pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y", "GATE_UP", "OUT")}
-    for gated in (True, False):
-        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not gated, GATED=gated, BLOCK_N=8,
-                                                              BLOCK_K=512))
+    pointers = {name: f"*{dtype}" for name in ("X", "R", "NW", "S", "W", "B", "Y", "GATE_UP", "OUT")}
+    variants = ((True, False, False), (False, False, False), (False, True, True), (False, True, False))
+    for gated, norm, residual in variants:
+        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not gated, GATED=gated, NORM=norm,
+                                                              HAS_RESIDUAL=residual, BLOCK_N=8, BLOCK_K=512),
+                           floats=("eps",))
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
 
 
