@@ -15,7 +15,9 @@ transformers timed the same way through a streamer); prefill_ms = time to the fi
 weight bytes read per decode step x decode steps per second / the measured copy bandwidth
 (weights only: at large batches the KV cache adds reads this leaves out; of a MoE model's
 experts, those that batch x k uniformly routed tokens are expected to hit: step_weight_bytes).
-Also times a --long-prompt-token prefill of ours against transformers' (SDPA).
+Also times a --long-prompt-token prefill of ours against transformers' (SDPA). --json extends an
+earlier file (rows of the same model, engine, batch and tp are replaced): each row names the
+commit it was measured at.
 """
 
 import argparse
@@ -211,6 +213,7 @@ def main() -> None:
                         time_hf(hf, ids, args.new, **kwargs)  # warm up: compiles the static-cache forward
                         prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
                 row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
+                           commit=args.commit,
                            decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
                            weight_GB=round(weight_bytes / 1e9, 3),
                            hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
@@ -220,7 +223,7 @@ def main() -> None:
             ids = torch.randint(0, ours.config.vocab_size, (1, args.long_prompt), generator=gen).to(device)
             with torch.inference_mode():
                 mask = torch.ones_like(ids)
-                row = dict(model=f"qwen3-{name}", prompt=args.long_prompt,
+                row = dict(model=f"qwen3-{name}", prompt=args.long_prompt, commit=args.commit,
                            ours_ms=round(time_prefill(lambda: ours(ids, last_only=True)), 2),
                            hf_sdpa_ms=round(time_prefill(lambda: hf(ids, attention_mask=mask, logits_to_keep=1)), 2))
             prefills.append(row)
