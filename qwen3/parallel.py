@@ -59,8 +59,9 @@ class TensorParallel:
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank, self.size = rank, size
         self.device = device  # where the collectives' tensors live: the model's device
-        self.group = dist.group.WORLD
-        self.group_name = self.group.group_name
+        # The default group, by name: collectives below pass no group. No reference to the group
+        # object is kept, so that destroy_process_group() frees it (one freed later, at exit, can abort).
+        self.group_name = dist.group.WORLD.group_name
         self.symmetric: torch.Tensor | None = None  # set by use_symmetric_memory where it works
 
     @classmethod
@@ -136,7 +137,7 @@ class TensorParallel:
         """A seed drawn on rank 0 and given to every rank: unseeded sampling then draws the same
         tokens on all ranks (each samples from the same logits with the same generator)."""
         seed = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], device=self.device)
-        dist.broadcast(seed, src=0, group=self.group)
+        dist.broadcast(seed, src=0)
         return int(seed.item())
 
 
@@ -160,7 +161,7 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
             and x.numel() * x.element_size() % 4 == 0):  # the kernel moves 4-byte words at least
         return symmetric_all_reduce(x, symmetric, tp.group_name)
     x = x.contiguous()
-    dist.all_reduce(x, group=tp.group)
+    dist.all_reduce(x)
     return x
 
 
@@ -213,7 +214,7 @@ def resolve_parallel_device(device: torch.device) -> torch.device:
 # every peer maps, and one kernel per rank reads all peers' buffers over NVLink (P2P loads) and
 # adds them in rank order, between two barriers on signal pads. On two H200s an all-reduce of one
 # token's hidden state (8 KiB) takes 7.5 us this way against NCCL's 20 us inside a CUDA graph, and
-# a Qwen3-8B decode step has 73 of them. `torch.distributed._symmetric_memory` is underscore-
+# a Qwen3-8B decode step has 74 of them. `torch.distributed._symmetric_memory` is underscore-
 # prefixed (private, it may change between releases); the issue asks for it, so it is used in these
 # two functions only, with dist.all_reduce as the fallback. NVLink multicast is switched off on our
 # machines (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1): the
@@ -222,38 +223,40 @@ def resolve_parallel_device(device: torch.device) -> torch.device:
 
 def symmetric_buffer(tp: TensorParallel, dtype: torch.dtype) -> torch.Tensor | None:
     """The rendezvoused buffer of SYMMETRIC_BYTES, checked by one all-reduce against the known sum;
-    None, with a warning, if any rank fails at any step (then every rank uses dist.all_reduce)."""
+    None, with a note on stderr, if any rank fails at any step (then every rank uses dist.all_reduce).
+    The ranks agree after each step, so that none enters a collective step that another skips."""
+    problem, buffer, symm_mem = None, None, None
 
-    def all_ok(ok: bool) -> bool:  # every rank's verdict, so that all take the same path
-        flag = torch.tensor([int(ok)], device=tp.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp.group)
+    def attempt(step) -> bool:  # step() on every rank; whether it succeeded on all of them
+        nonlocal problem
+        try:
+            step()
+        except Exception as err:  # an older torch, a build without it, no P2P: each fails its own way
+            problem = str(err) or type(err).__name__  # not the exception: its traceback would pin the frames
+        flag = torch.tensor([int(problem is None)], device=tp.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
-    problem, buffer = None, None
-    try:
+    def allocate() -> None:
+        nonlocal buffer, symm_mem
         from torch.distributed import _symmetric_memory as symm_mem
 
-        name = tp.group.group_name
+        name = tp.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not symm_mem.is_symm_mem_enabled_for_group(name):
-            with warnings.catch_warnings():  # needed up to torch 2.9 or so; a deprecated no-op need later
+            with warnings.catch_warnings():  # needed by older releases, a deprecated no-op need in newer ones
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(name)
         buffer = symm_mem.empty(SYMMETRIC_BYTES // dtype.itemsize, dtype=dtype, device=tp.device)
-    except Exception as err:  # an older torch, a build without it: each fails in its own way
-        problem = err
-    if all_ok(problem is None):
-        try:
-            symm_mem.rendezvous(buffer, name)
-            probe = torch.full((4096,), float(tp.rank + 1), dtype=dtype, device=tp.device)
-            expected = tp.size * (tp.size + 1) / 2
-            if not bool((symmetric_all_reduce(probe, buffer, name) == expected).all()):
-                problem = "the probe all-reduce gave a wrong sum"
-        except Exception as err:
-            problem = err
-        if all_ok(problem is None):
-            return buffer
+
+    def probe() -> None:
+        x = torch.full((4096,), float(tp.rank + 1), dtype=dtype, device=tp.device)
+        if not bool((symmetric_all_reduce(x, buffer, tp.group_name) == tp.size * (tp.size + 1) / 2).all()):
+            raise RuntimeError("a probe all-reduce gave a wrong sum")
+
+    if attempt(allocate) and attempt(lambda: symm_mem.rendezvous(buffer, tp.group_name)) and attempt(probe):
+        return buffer
     if tp.rank == 0:
-        print(f"tensor parallel: symmetric-memory all-reduce unavailable ({problem or 'on another rank'}); "
+        print(f"tensor parallel: the symmetric-memory all-reduce is unavailable ({problem or 'on another rank'}); "
               f"using {dist.get_backend()}", file=sys.stderr)
     return None
 
