@@ -268,6 +268,9 @@ def parity(device, tp_size: int, cpu_group) -> dict:
     with torch.no_grad():
         split_logits = split(prompts[1])
     tp2 = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
+    symmetric = split.tp.symmetric is not None
+    split.tp.symmetric = None  # again with every all-reduce through NCCL
+    tp2_nccl = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
     dist.barrier(group=cpu_group)
     if rank == 0:
         shutil.rmtree(directory[0])
@@ -277,9 +280,10 @@ def parity(device, tp_size: int, cpu_group) -> dict:
     path = f"{norm}, {'CUDA graphs' if device.type == 'cuda' else 'eager'}"
     return dict(parity=f"greedy tp={tp_size} vs tp=1, fp32, {path}", batches=[1, 4],
                 tokens_equal=all(torch.equal(a, b) for a, b in zip(tp1, tp2)),
+                tokens_equal_nccl_only=all(torch.equal(a, b) for a, b in zip(tp1, tp2_nccl)),
                 ranks_agree=all(torch.equal(everyone[0], t) for t in everyone),
                 prefill_logits_max_abs_diff=float((split_logits - whole_logits).abs().max()),
-                allreduce="symmetric memory (small) + NCCL" if split.tp.symmetric is not None else "NCCL")
+                allreduce=("symmetric memory (small) + " if symmetric else "") + dist.get_backend())
 
 
 def main_tp(args) -> None:

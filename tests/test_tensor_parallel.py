@@ -161,13 +161,16 @@ def test_tensor_parallel_flag_outside_torchrun_is_refused():
 @pytest.mark.skipif(INTERPRETED or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs and TRITON_INTERPRET=0")
 def test_cuda_graph_tp2_greedy_equals_tp1_greedy(tmp_path):
     """fp32, Triton norms (the fused decode path), decode steps replayed from CUDA graphs with the
-    all-reduces inside: greedy tokens of the model split over two GPUs equal the whole model's on
-    one GPU, on both ranks; at batch 1 (GEMV projections) and batch 3."""
+    all-reduces inside (symmetric memory's where it sets up, and NCCL's): greedy tokens of the model
+    split over two GPUs equal the whole model's on one GPU, on both ranks; at batch 1 (GEMV
+    projections) and batch 3."""
     save(hf_model(seed=41, num_hidden_layers=3, attention_bias=True), tmp_path)
     prompts = [prompt(SMALL["vocab_size"], batch=1, seed=1), prompt(SMALL["vocab_size"], batch=3, seed=2)]
     run_ranks(gpu_greedy, str(tmp_path), prompts, 24, tmp_path, backend="nccl")
     for rank in range(2):
         record = torch.load(tmp_path / f"rank{rank}.pt")
-        for tp1, tp2 in zip(record["tp1"], record["tp2"], strict=True):
+        for tp1, tp2, tp2_nccl in zip(record["tp1"], record["tp2"], record["tp2_nccl"], strict=True):
             assert tp2.shape == tp1.shape
             assert torch.equal(tp2, tp1)
+            assert torch.equal(tp2_nccl, tp1)
+    print("symmetric-memory all-reduce:", "used" if record["symmetric"] else "unavailable, NCCL only")

@@ -62,7 +62,8 @@ def cpu_jobs(rank: int, jobs: list[dict], out: Path) -> None:
 
 def gpu_greedy(rank: int, path: str, prompts: list[torch.Tensor], new: int, out: Path) -> None:
     """Greedy tokens of each prompt batch in fp32 on the fused path with CUDA graphs: the whole
-    model on this rank's GPU (tp=1), then the model split over the ranks (tp=2)."""
+    model on this rank's GPU (tp=1), then the model split over the ranks (tp=2), its all-reduces
+    through symmetric memory where it set up, then through NCCL alone (both inside the graph)."""
     device = torch.device("cuda", rank)
     whole = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, device=device, norm_impl="triton",
                                              progress=False)
@@ -72,4 +73,8 @@ def gpu_greedy(rank: int, path: str, prompts: list[torch.Tensor], new: int, out:
                                              progress=False, tensor_parallel=True)
     tp2 = [split.generate(ids.to(device), max_new_tokens=new, temperature=0.0, cuda_graph=True).cpu()
            for ids in prompts]
-    torch.save({"tp1": tp1, "tp2": tp2, "symmetric": split.tp.symmetric is not None}, out / f"rank{rank}.pt")
+    symmetric = split.tp.symmetric is not None
+    split.tp.symmetric = None  # every all-reduce through NCCL
+    tp2_nccl = [split.generate(ids.to(device), max_new_tokens=new, temperature=0.0, cuda_graph=True).cpu()
+                for ids in prompts]
+    torch.save({"tp1": tp1, "tp2": tp2, "tp2_nccl": tp2_nccl, "symmetric": symmetric}, out / f"rank{rank}.pt")
