@@ -25,6 +25,7 @@ import os
 import secrets
 import sys
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class TensorParallel:
         # The default group, by name: collectives below pass no group. No reference to the group
         # object is kept, so that destroy_process_group() frees it (one freed later, at exit, can abort).
         self.group_name = dist.group.WORLD.group_name
-        self.symmetric: torch.Tensor | None = None  # set by use_symmetric_memory where it works
+        self.symmetric: SymmetricBuffer | None = None  # set by use_symmetric_memory where it works
 
     @classmethod
     def from_default_group(cls, config: Qwen3Config, device: torch.device) -> "TensorParallel":
@@ -85,7 +86,9 @@ class TensorParallel:
         return cls(dist.get_rank(), size, device)
 
     def __repr__(self) -> str:
-        path = "symmetric memory + " if self.symmetric is not None else ""
+        path = ""
+        if self.symmetric is not None:
+            path = f"symmetric memory ({'one kernel' if self.symmetric.copy_in_kernel else 'copy + kernel'}) + "
         return f"TensorParallel(rank={self.rank}, size={self.size}, all-reduce: {path}{dist.get_backend()})"
 
     # ------------------------------------------------------------------ what this rank holds
@@ -157,7 +160,7 @@ def all_reduce(x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
     if tp is None or tp.size == 1:
         return x
     symmetric = tp.symmetric
-    if (symmetric is not None and x.dtype == symmetric.dtype and x.numel() <= symmetric.numel()
+    if (symmetric is not None and x.dtype == symmetric.buffer.dtype and x.numel() <= symmetric.buffer.numel()
             and x.numel() * x.element_size() % 4 == 0):  # the kernel moves 4-byte words at least
         return symmetric_all_reduce(x, symmetric, tp.group_name)
     x = x.contiguous()
@@ -221,14 +224,21 @@ def resolve_parallel_device(device: torch.device) -> torch.device:
 # multimem/multicast ops are never called.
 
 
-def symmetric_buffer(tp: TensorParallel, dtype: torch.dtype) -> torch.Tensor | None:
-    """The rendezvoused buffer of SYMMETRIC_BYTES, checked by one all-reduce against the known sum;
-    None, with a note on stderr, if any rank fails at any step (then every rank uses dist.all_reduce).
-    The ranks agree after each step, so that none enters a collective step that another skips."""
+@dataclass
+class SymmetricBuffer:
+    buffer: torch.Tensor  # SYMMETRIC_BYTES, rendezvoused: every peer maps it
+    copy_in_kernel: bool  # one_shot_all_reduce_copy works here: the copy into the buffer is the kernel's first step
+
+
+def symmetric_buffer(tp: TensorParallel, dtype: torch.dtype) -> SymmetricBuffer | None:
+    """The rendezvoused buffer, checked by an all-reduce against the known sum; None, with a note
+    on stderr, if any rank fails at any step (then every rank uses dist.all_reduce). The ranks
+    agree after each step, so that none enters a collective step that another skipped."""
     problem, buffer, symm_mem = None, None, None
 
     def attempt(step) -> bool:  # step() on every rank; whether it succeeded on all of them
         nonlocal problem
+        problem = None
         try:
             step()
         except Exception as err:  # an older torch, a build without it, no P2P: each fails its own way
@@ -248,21 +258,26 @@ def symmetric_buffer(tp: TensorParallel, dtype: torch.dtype) -> torch.Tensor | N
                 symm_mem.enable_symm_mem_for_group(name)
         buffer = symm_mem.empty(SYMMETRIC_BYTES // dtype.itemsize, dtype=dtype, device=tp.device)
 
-    def probe() -> None:
+    def probe(symmetric: SymmetricBuffer) -> None:
         x = torch.full((4096,), float(tp.rank + 1), dtype=dtype, device=tp.device)
-        if not bool((symmetric_all_reduce(x, buffer, tp.group_name) == tp.size * (tp.size + 1) / 2).all()):
+        if not bool((symmetric_all_reduce(x, symmetric, tp.group_name) == tp.size * (tp.size + 1) / 2).all()):
             raise RuntimeError("a probe all-reduce gave a wrong sum")
 
-    if attempt(allocate) and attempt(lambda: symm_mem.rendezvous(buffer, tp.group_name)) and attempt(probe):
-        return buffer
+    if attempt(allocate) and attempt(lambda: symm_mem.rendezvous(buffer, tp.group_name)):
+        for copy_in_kernel in (True, False):  # one kernel where this torch has it, else a copy and the kernel
+            symmetric = SymmetricBuffer(buffer, copy_in_kernel)
+            if attempt(lambda: probe(symmetric)):
+                return symmetric
     if tp.rank == 0:
         print(f"tensor parallel: the symmetric-memory all-reduce is unavailable ({problem or 'on another rank'}); "
               f"using {dist.get_backend()}", file=sys.stderr)
     return None
 
 
-def symmetric_all_reduce(x: torch.Tensor, buffer: torch.Tensor, group_name: str) -> torch.Tensor:
-    """x summed over the ranks through the rendezvoused `buffer` (x.numel() <= buffer.numel())."""
-    staged = buffer[: x.numel()].view(x.shape)
+def symmetric_all_reduce(x: torch.Tensor, symmetric: SymmetricBuffer, group_name: str) -> torch.Tensor:
+    """x summed over the ranks through the rendezvoused buffer (x.numel() <= its size)."""
+    staged = symmetric.buffer[: x.numel()].view(x.shape)
+    if symmetric.copy_in_kernel and x.is_contiguous() and x.storage_offset() == 0:  # aligned as the buffer
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x, "sum", group_name)
     staged.copy_(x)
     return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", group_name)
