@@ -80,7 +80,7 @@ class TensorParallel:
         size = dist.get_world_size()
         check_splits(config, size)
         backend = dist.get_backend()
-        if device.type == "cuda" and "nccl" not in backend or device.type == "cpu" and "gloo" not in backend:
+        if (device.type == "cuda" and "nccl" not in backend) or (device.type == "cpu" and "gloo" not in backend):
             raise ValueError(f"tensor_parallel=True on {device} needs the "
                              f"{'nccl' if device.type == 'cuda' else 'gloo'} backend; the process group uses {backend}")
         return cls(dist.get_rank(), size, device)

@@ -307,7 +307,11 @@ def main_tp(args) -> None:
     copy = copy_bandwidth_GBps(device)
     say(f"copy bandwidth {copy:.0f} GB/s; tensor parallel over {args.tp} GPUs", flush=True)
     if args.parity:
-        say(json.dumps(parity(device, args.tp, cpu_group)), flush=True)
+        try:
+            say(json.dumps(parity(device, args.tp, cpu_group)), flush=True)
+        except Exception as err:  # the same on every rank, as the code is: report it and measure still
+            say(json.dumps(dict(parity="failed", error=f"{type(err).__name__}: {err}")), flush=True)
+            dist.barrier(group=cpu_group)
     results = []
 
     def measure(name, ours, tp):
