@@ -35,7 +35,7 @@ class KVCache:
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
         c = model.config
         weight = model.lm_head.weight
-        return cls(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, weight.dtype, weight.device)
+        return cls(c.num_hidden_layers, batch, model.kv_heads, max_len, c.head_dim, weight.dtype, weight.device)
 
     @property
     def scratch(self) -> int:
@@ -104,13 +104,13 @@ class PagedKVCache:
     def for_model(cls, model, n_blocks: int, block_size: int = 16) -> "PagedKVCache":
         c = model.config
         weight = model.lm_head.weight
-        return cls(c.num_hidden_layers, n_blocks, block_size, c.num_key_value_heads, c.head_dim, weight.dtype,
+        return cls(c.num_hidden_layers, n_blocks, block_size, model.kv_heads, c.head_dim, weight.dtype,
                    weight.device)
 
     @staticmethod
     def bytes_per_block(model, block_size: int = 16) -> int:
         c = model.config
-        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.lm_head.weight.element_size()
+        per_token = 2 * c.num_hidden_layers * model.kv_heads * c.head_dim * model.lm_head.weight.element_size()
         return per_token * block_size
 
     @property

@@ -8,6 +8,11 @@ On CUDA the decode step is captured once in a CUDA graph and replayed for every 
 one launch for the whole model instead of a few hundred. The host never waits for the GPU
 inside the loop, except to hand tokens to `on_token` (one step behind, while the GPU computes
 the next) and to check every few steps whether all rows have stopped.
+
+Under tensor parallelism every rank runs this same loop: the forward ends with the full logits
+on every rank, and each samples from them with the same seed (drawn on rank 0 when the caller
+gives none), so all ranks choose the same tokens, stop at the same step and stay in step for
+the next collective. The captured decode step holds the all-reduces.
 """
 
 from collections.abc import Callable
@@ -158,6 +163,9 @@ def generate(
     if not 0 <= pad < config.vocab_size:
         raise ValueError(f"pad_token_id must be a token id in [0, {config.vocab_size}), got {pad}")
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    tp = getattr(model, "tp", None)
+    if seed is None and not params.greedy and tp is not None:
+        seed = tp.shared_seed()  # tensor-parallel ranks sample alike: the same logits, the same seed
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
     if attention_mask is not None:

@@ -3,7 +3,9 @@
 The module is built on the meta device (no memory, no random init), given uninitialized storage
 of the target dtype on the target device, and each checkpoint tensor is copied straight into its
 parameter: peak memory is about one model. Keys map one to one (our parameter names are HF's);
-every key is checked before any copy, and any mismatch names the file and the tensor.
+every key is checked before any copy, and any mismatch names the file and the tensor. With tensor
+parallelism each rank builds its part of the model and reads only its part of each tensor
+(safetensors' `get_slice`), so no process ever holds the whole model.
 """
 
 import json
@@ -17,6 +19,7 @@ import ops
 
 from .config import Qwen3Config
 from .model import Qwen3ForCausalLM
+from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -92,12 +95,25 @@ def _open(file: Path):
         raise ValueError(f"cannot read safetensors file {file}: {err}") from None
 
 
+def empty_model(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """The model (with tp, this rank's part) in `dtype` on `device` with uninitialized weights:
+    built on the meta device, so that nothing is allocated twice or initialized at random."""
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config, tp).to(dtype)
+    model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty made new tensors: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     norm_impl: str | None = None,
     progress: bool = True,
+    tensor_parallel: bool = False,
 ) -> Qwen3ForCausalLM:
     """The checkpoint in directory `path` as a Qwen3ForCausalLM in eval mode, with its
     generation_config.json (if any) as `model.generation_config`.
@@ -105,7 +121,8 @@ def load_model(
     dtype: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), or "auto" for the checkpoint's
     dtype; default float32 on the CPU and the checkpoint's dtype on a GPU. device: "cpu", "cuda",
     "cuda:1"... norm_impl: the RMSNorm implementation (default "auto": triton on CUDA, torch on
-    the CPU). progress: a bar on stderr, once loading has taken over a second.
+    the CPU). progress: a bar on stderr, once loading has taken over a second. tensor_parallel:
+    this rank's part of the model, over the default process group (qwen3/parallel.py).
     Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
     naming the file and the key.
     """
@@ -116,17 +133,23 @@ def load_model(
     config = Qwen3Config.from_json(path, **({"norm_impl": norm_impl} if norm_impl else {}))
     dtype = resolve_dtype(dtype, device, config.dtype)
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
+    tp = None
+    if tensor_parallel:  # refuses a missing process group and a model that does not split
+        device = resolve_parallel_device(device)
+        tp = TensorParallel.from_default_group(config, device)
 
-    with torch.device("meta"):
-        model = Qwen3ForCausalLM(config).to(dtype)
-    model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty made new tensors: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = empty_model(config, dtype, device, tp)
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
+    if tp is None:
+        shapes = {key: tuple(param.shape) for key, param in params.items()}
+    else:  # the checkpoint holds the whole model: check against its shapes (a model on meta, no memory)
+        with torch.device("meta"):
+            whole = Qwen3ForCausalLM(config)
+        shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
     # Check every key, shape and dtype before copying anything.
     shards = checkpoint_files(path)
-    plan: list[tuple[str, list[str]]] = []
+    plan: list[tuple[str, list[tuple[str, tuple[slice, ...] | None]]]] = []  # (shard, [(key, index)])
     seen: set[str] = set()
     for shard, listed in shards.items():
         with _open(path / shard) as f:
@@ -140,35 +163,42 @@ def load_model(
                     continue  # a derived buffer some exporters save; we compute it
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the head is the embedding matrix
-                if key not in params:
+                if key not in shapes:
                     raise ValueError(f"unexpected tensor {key} in {shard}: the model config.json describes "
                                      "has no such parameter")
                 stored = f.get_slice(key)
                 shape = tuple(stored.get_shape())
-                if shape != tuple(params[key].shape):
-                    raise ValueError(
-                        f"tensor {key} in {shard} has shape {shape}, expected {tuple(params[key].shape)}"
-                    )
+                if shape != shapes[key]:
+                    raise ValueError(f"tensor {key} in {shard} has shape {shape}, expected {shapes[key]}")
                 if stored.get_dtype() not in FLOAT_STORAGE:
                     raise ValueError(f"tensor {key} in {shard} has dtype {stored.get_dtype()}, expected a "
                                      f"floating-point one ({', '.join(FLOAT_STORAGE)})")
-                to_copy.append(key)
-            seen.update(to_copy)
+                seen.add(key)
+                if tp is None:
+                    to_copy.append((key, None))  # the whole tensor
+                elif (index := tp.checkpoint_index(key, config)) is not None:  # None: this rank holds none of it
+                    to_copy.append((key, index))
             plan.append((shard, to_copy))
-    missing = sorted(set(params) - seen)
+    missing = sorted(set(shapes) - seen)
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
-    total = sum(params[key].nbytes for _, keys in plan for key in keys)
+    total = sum(params[key].nbytes for _, keys in plan for key, _ in keys)
     with torch.no_grad(), tqdm(total=total, desc="loading weights", unit="B", unit_scale=True,
-                               delay=PROGRESS_AFTER_S, disable=not progress) as bar:
+                               delay=PROGRESS_AFTER_S, disable=not progress or (tp is not None and tp.rank)) as bar:
         for shard, keys in plan:
             with _open(path / shard) as f:
-                for key in keys:
-                    params[key].copy_(f.get_tensor(key))
+                for key, index in keys:
+                    part = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+                    if part.shape != params[key].shape:  # a slicing rule of qwen3/parallel.py gone wrong
+                        raise RuntimeError(f"{key}: read {tuple(part.shape)}, expected {tuple(params[key].shape)}")
+                    params[key].copy_(part)
                     bar.update(params[key].nbytes)
     generation_config = path / "generation_config.json"
     if generation_config.exists():
         model.generation_config = json.loads(generation_config.read_text())
+    if tp is not None:
+        model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
+        tp.use_symmetric_memory(dtype)
     return model.eval()

@@ -8,6 +8,10 @@ Checkpoint keys are Hugging Face's. q/k/v and gate/up are each one matmul here (
 whose rows the checkpoint's separate projections fill (`checkpoint_tensors`). A layer's MLP is
 dense (MLP) or, in a Qwen3-MoE model, the sparse block of router + experts (qwen3/moe.py).
 
+With tensor parallelism (`tp`, qwen3/parallel.py) each rank holds its share of the heads, of F and
+of V: H, K, F and V below are then this rank's counts, attention and the MLP each return this
+rank's partial sum of their output projection, and DecoderLayer adds the ranks' partial sums.
+
 Two paths compute the same function. The unfused path is transformers' operations one by one
 (the reference, the training path, and what runs on the CPU). The fused path, taken for Triton
 norms without autograd, runs attention's input step (q/k-norm, RoPE, cache write), the one-token
@@ -31,6 +35,7 @@ from ops.silu_mul import silu_mul
 from .cache import KVCache, PagedKVCache
 from .config import Qwen3Config
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
+from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab
 
 
 class RMSNorm(nn.Module):
@@ -242,17 +247,20 @@ def row_len(cache: KVCache | PagedKVCache, block_table: torch.Tensor | None) -> 
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3's QK-norm) before RoPE."""
+    """Grouped-query attention with per-head RMSNorm on q and k (Qwen3's QK-norm) before RoPE.
+    With `tp`: this rank's query heads and the key/value heads they read; the output is this
+    rank's partial sum of o_proj (its bias on rank 0 only), to be all-reduced."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.n_heads, self.n_kv_heads = (
+            tp.heads(config) if tp else (config.num_attention_heads, config.num_key_value_heads)
         )
+        self.head_dim = config.head_dim
         D, H, K, hd = config.hidden_size, self.n_heads, self.n_kv_heads, config.head_dim
         self.qkv_proj = FusedLinear(D, {"q_proj": H * hd, "k_proj": K * hd, "v_proj": K * hd}, config.attention_bias)
-        self.o_proj = nn.Linear(H * hd, D, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=config.attention_bias and (tp is None or tp.rank == 0))
         self.q_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_impl)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps, config.norm_impl)
         self.register_load_state_dict_pre_hook(stack_fused_parts)
@@ -306,11 +314,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul. With `tp`: this rank's F/N
+    columns of gate and up, and its partial sum of down, to be all-reduced."""
 
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None):
         super().__init__()
-        D, F_ = config.hidden_size, config.intermediate_size
+        D, F_ = config.hidden_size, config.intermediate_size // (tp.size if tp else 1)
         self.gate_up_proj = FusedLinear(D, {"gate_proj": F_, "up_proj": F_}, bias=False)
         self.down_proj = nn.Linear(F_, D, bias=False)
         self.register_load_state_dict_pre_hook(stack_fused_parts)
@@ -330,31 +339,37 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. The residual add of each half is fused into the norm that follows it:
-    (h, residual) in, (h, residual) out, the same arithmetic as HF's `residual + hidden_states`."""
+    (h, residual) in, (h, residual) out, the same arithmetic as HF's `residual + hidden_states`.
+    With `tp`, attention and the MLP each end in a row-parallel projection: their outputs are
+    the ranks' partial sums, added here by an all-reduce (two per layer)."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
-        self.mlp = SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else MLP(config)
+        self.tp = tp
+        self.self_attn = Attention(config, layer_idx, tp)
+        self.mlp = SparseMoeBlock(config) if is_sparse_layer(config, layer_idx) else MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
 
     def forward(self, h, residual, batch: ForwardBatch, cache: KVCache | None = None):
         qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual, batch.fused)
-        h = self.self_attn.attend(qkv, batch, cache)
+        h = all_reduce(self.self_attn.attend(qkv, batch, cache), self.tp)
         if isinstance(self.mlp, MLP):
             gate_up, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
                                               batch.fused)
-            return self.mlp.down(gate_up, batch.fused), residual
+            return all_reduce(self.mlp.down(gate_up, batch.fused), self.tp), residual
         h, residual = self.post_attention_layernorm(h, residual)  # the router and the experts read it
-        return self.mlp(h, batch.fused), residual
+        return all_reduce(self.mlp(h, batch.fused), self.tp), residual
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:  # this rank's V/N rows; the lookup ends in an all-reduce
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -381,12 +396,18 @@ def check_input_ids(input_ids, vocab_size: int | None = None) -> None:
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None):
+        """tp: this process's place in a tensor-parallel group (qwen3/parallel.py); the layers then
+        hold its share of the weights (from_pretrained(tensor_parallel=True) builds and loads it)."""
         super().__init__()
         self.config = config
+        self.tp = tp
         self.generation_config: dict = {}  # generation_config.json's defaults, set by the loader
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = Qwen3Model(config, tp)
+        # Key/value heads held here, what a KV cache stores: all, or this rank's share.
+        self.kv_heads = tp.heads(config)[1] if tp else config.num_key_value_heads
+        # With tp: this rank's V/N rows of the head; forward gathers the full logits.
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size // (tp.size if tp else 1), bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -440,7 +461,7 @@ class Qwen3ForCausalLM(nn.Module):
         keep = None
         if last_only and T > 1:  # each row's last real token: the last column, or before right padding
             keep = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)
-        return self.lm_head(self.model(input_ids, batch, cache, keep))
+        return gather_vocab(self.lm_head(self.model(input_ids, batch, cache, keep)), self.tp)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """{Hugging Face checkpoint key: the parameter, or the rows of a fused one, it fills}. The
@@ -469,6 +490,7 @@ class Qwen3ForCausalLM(nn.Module):
         device: str | torch.device = "cpu",
         norm_impl: str | None = None,
         progress: bool = True,
+        tensor_parallel: bool = False,
     ) -> "Qwen3ForCausalLM":
         """Load a Hugging Face Qwen3 checkpoint directory (config.json, model.safetensors or a
         sharded model.safetensors.index.json, optionally generation_config.json).
@@ -480,13 +502,21 @@ class Qwen3ForCausalLM(nn.Module):
         norm_impl: "auto" | "torch" | "triton" | "cuda": the RMSNorm implementation of every norm
             ("auto": triton on CUDA, torch elsewhere; default: the config's, else "auto").
         progress: a progress bar while loading takes long.
+        tensor_parallel: split the model over the ranks of the initialized torch.distributed
+            default process group (torchrun; NCCL on GPUs, gloo on the CPU), each process reading
+            only its part of each tensor (qwen3/parallel.py has the layout). Every rank must call
+            this, and then the forward and generate, with the same arguments; each gets the full
+            logits and the same tokens. "cuda" means cuda:LOCAL_RANK. Inference only (the
+            parameters do not require grad). A ValueError without a process group, for a model
+            whose heads (or F, V) do not divide over the ranks, and for Qwen3-MoE checkpoints.
 
         Every tensor's name and shape is checked against the config before anything is copied;
         a mismatch raises a ValueError naming the file and the tensor.
         """
         from .loader import load_model
 
-        return load_model(path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress)
+        return load_model(path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress,
+                          tensor_parallel=tensor_parallel)
 
     def set_norm_impl(self, impl: str) -> None:
         """Switch every RMSNorm in the model (input, post-attention, q, k, final) to `impl`."""

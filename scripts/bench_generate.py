@@ -18,21 +18,41 @@ experts, those that batch x k uniformly routed tokens are expected to hit: step_
 Also times a --long-prompt-token prefill of ours against transformers' (SDPA). --json extends an
 earlier file (rows of the same model, engine, batch and tp are replaced): each row names the
 commit it was measured at.
+
+Tensor parallelism, under torchrun with one process per GPU (NCCL):
+
+    torchrun --standalone --nproc-per-node 2 scripts/bench_generate.py --tp 2 --models 8b 0.6b --batches 1 32 \
+        --parity --json decode-tp-h200.json
+
+measures, in the same run, "ours" on one GPU (tp=1, rank 0 alone while the others wait) and
+split over the ranks (tp=2), at the same prompts. Every rank builds transformers' random model on
+its GPU, rank 0's weights are broadcast so that all hold the same, and each rank copies its own
+slices into its part of our model with the loader's slicing rule (qwen3/parallel.py): this
+bypasses the safetensors loader (writing 16 GB to disk and reading it back would cost minutes),
+which the tests and --parity cover. tp rows report weight_GB and hbm_fraction per GPU (rank 0's
+part, against one GPU's copy bandwidth). --parity first checks, through from_pretrained on a small
+fp32 checkpoint, that greedy tokens at tp=N (CUDA graphs, Triton path) equal tp=1's.
 """
 
 import argparse
 import datetime
 import json
+import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from qwen3.loader import empty_model  # noqa: E402
+from qwen3.parallel import TensorParallel  # noqa: E402
 
 CONFIGS = {  # the real Qwen3 architectures
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -96,8 +116,8 @@ def step_weight_bytes(model: Qwen3ForCausalLM, batch: int) -> float:
     return total - expert_bytes * (1 - hit)
 
 
-def build(name: str, device, dtype, norm: str):
-    """(transformers model, ours) with the same random weights, both on the device. Built in
+def build_hf(name: str, device, dtype):
+    """transformers' model at CONFIGS[name] with its random init (seed 0) on the device. Built in
     `dtype` directly (no fp32 copy first: 30B-A3B's would not fit beside the bf16 one)."""
     torch.manual_seed(0)
     moe = "num_experts" in CONFIGS[name]
@@ -109,18 +129,30 @@ def build(name: str, device, dtype, norm: str):
             hf = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(hf_config)
     finally:
         torch.set_default_dtype(default_dtype)
-    hf = hf.to(dtype).eval()
-    config = Qwen3Config.from_dict(hf_config.to_dict(), norm_impl=norm)
-    with torch.device("meta"):
-        ours = Qwen3ForCausalLM(config).to(dtype)
-    ours.to_empty(device=device)
-    if config.tie_word_embeddings:
-        ours.lm_head.weight = ours.model.embed_tokens.weight
+    return hf.to(dtype).eval()
+
+
+def ours_from_hf(hf, norm: str, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+    """Ours with hf's weights on hf's device; with tp, this rank's part (its slices, by the
+    loader's rule). The copy takes the place of from_pretrained, which would need a checkpoint on disk."""
+    weight = hf.get_output_embeddings().weight
+    config = Qwen3Config.from_dict(hf.config.to_dict(), norm_impl=norm)
+    ours = empty_model(config, weight.dtype, weight.device, tp)
     weights = hf.state_dict()
     with torch.no_grad():
         for key, tensor in ours.checkpoint_tensors().items():
-            tensor.copy_(hf_tensor(weights, key))
-    return hf, ours.eval()
+            index = tp.checkpoint_index(key, config) if tp else (slice(None),)
+            tensor.copy_(hf_tensor(weights, key)[index])
+    if tp is not None:  # as from_pretrained(tensor_parallel=True) leaves it
+        ours.requires_grad_(False)
+        tp.use_symmetric_memory(weight.dtype)
+    return ours.eval()
+
+
+def build(name: str, device, dtype, norm: str):
+    """(transformers model, ours) with the same random weights, both on the device."""
+    hf = build_hf(name, device, dtype)
+    return hf, ours_from_hf(hf, norm)
 
 
 def time_ours(model, ids, new, cuda_graph):
@@ -173,11 +205,161 @@ def time_prefill(fn, repeats=5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy) -> dict:
+    """One result row (docs/benchmarks/decode-h200.json's schema); weights as resident on this process."""
+    weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
+    return dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=tp,
+                commit=args.commit, decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
+                weight_GB=round(weight_bytes / 1e9, 3),
+                hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
+
+
+def write_json(path: Path, args, device, copy, results, prefills) -> None:
+    """Write (or extend, replacing rows of the same model, engine, batch and tp) a result file."""
+    summary = dict(date=datetime.date.today().isoformat(), commit=args.commit,
+                   gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                   copy_GBps=round(copy, 1),
+                   versions=dict(torch=torch.__version__, transformers=transformers.__version__,
+                                 triton=getattr(sys.modules.get("triton"), "__version__", None)),
+                   results=results, prefill=prefills)
+    if path.exists():  # keep rows of other models/engines from an earlier run
+        old = json.loads(path.read_text())
+        key = lambda r: (r["model"], r["engine"], r["batch"], r.get("tp", 1))  # noqa: E731
+        fresh = {key(r) for r in results}
+        summary["results"] = [r for r in old.get("results", []) if key(r) not in fresh] + results
+        fresh_prefill = {r["model"] for r in prefills}
+        summary["prefill"] = [r for r in old.get("prefill", []) if r["model"] not in fresh_prefill] + prefills
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+# --parity: a small model, fp32, split 4 + 1 heads per rank at tp=2 (GQA), untied vocabulary shards.
+PARITY_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
+                     max_position_embeddings=1024, rope_theta=1_000_000.0, attention_bias=True)
+
+
+def parity(device, tp_size: int, cpu_group) -> dict:
+    """Greedy tokens of a small fp32 checkpoint, loaded by from_pretrained whole (tp=1) and split
+    (tp=tp_size), on the fused Triton path with CUDA graphs, at batch 1 and 4; the same on every rank.
+    (On the CPU, a dry run: the torch path, eagerly.)"""
+    norm = "triton" if device.type == "cuda" else "torch"
+    rank = dist.get_rank()
+    directory = [tempfile.mkdtemp(prefix="tp-parity-") if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0, group=cpu_group)
+    if rank == 0:
+        torch.manual_seed(0)
+        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**PARITY_CONFIG))
+        with torch.no_grad():  # weights large enough that every layer moves the logits
+            for name, param in hf.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + 0.2 * torch.randn_like(param))
+                else:
+                    param.normal_(0, 0.05)
+        hf.save_pretrained(directory[0])
+    dist.barrier(group=cpu_group)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, PARITY_CONFIG["vocab_size"], (b, 16), generator=gen).to(device) for b in (1, 4)]
+    whole = Qwen3ForCausalLM.from_pretrained(directory[0], dtype=torch.float32, device=device, norm_impl=norm,
+                                             progress=False)
+    with torch.no_grad():
+        whole_logits = whole(prompts[1])
+    tp1 = [whole.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
+    del whole
+    split = Qwen3ForCausalLM.from_pretrained(directory[0], dtype=torch.float32, device=device, norm_impl=norm,
+                                             progress=False, tensor_parallel=True)
+    with torch.no_grad():
+        split_logits = split(prompts[1])
+    tp2 = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
+    symmetric = split.tp.symmetric is not None
+    split.tp.symmetric = None  # again with every all-reduce through NCCL
+    tp2_nccl = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
+    dist.barrier(group=cpu_group)
+    if rank == 0:
+        shutil.rmtree(directory[0])
+    mine = torch.cat([t.flatten() for t in tp2])
+    everyone = [torch.empty_like(mine) for _ in range(tp_size)]
+    dist.all_gather(everyone, mine)
+    path = f"{norm}, {'CUDA graphs' if device.type == 'cuda' else 'eager'}"
+    return dict(parity=f"greedy tp={tp_size} vs tp=1, fp32, {path}", batches=[1, 4],
+                tokens_equal=all(torch.equal(a, b) for a, b in zip(tp1, tp2)),
+                tokens_equal_nccl_only=all(torch.equal(a, b) for a, b in zip(tp1, tp2_nccl)),
+                ranks_agree=all(torch.equal(everyone[0], t) for t in everyone),
+                prefill_logits_max_abs_diff=float((split_logits - whole_logits).abs().max()),
+                allreduce=("symmetric memory (small) + " if symmetric else "") + dist.get_backend())
+
+
+def main_tp(args) -> None:
+    """--tp N under torchrun: tp=1 on rank 0's GPU, then tp=N over all, in one run (module docstring)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) != args.tp:
+        sys.exit(f"--tp {args.tp} runs under torchrun with as many processes: "
+                 f"torchrun --standalone --nproc-per-node {args.tp} scripts/bench_generate.py --tp {args.tp} ...")
+    if not set(args.engines) <= {"ours", "ours_eager"}:
+        sys.exit("--tp measures our engines only: --engines ours [ours_eager]")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=30))
+    else:  # CPU processes (gloo, fp32): a dry run of this script, not a measurement
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))  # waits without a GPU
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    copy = copy_bandwidth_GBps(device)
+    say(f"copy bandwidth {copy:.0f} GB/s; tensor parallel over {args.tp} GPUs", flush=True)
+    if args.parity:
+        try:
+            say(json.dumps(parity(device, args.tp, cpu_group)), flush=True)
+        except Exception as err:  # the same on every rank, as the code is: report it and measure still
+            say(json.dumps(dict(parity="failed", error=f"{type(err).__name__}: {err}")), flush=True)
+            dist.barrier(group=cpu_group)
+    results = []
+
+    def measure(name, ours, tp):
+        for batch in args.batches:
+            gen = torch.Generator().manual_seed(batch)  # the same prompts at tp=1 and tp=N
+            ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+            for engine in args.engines:
+                graph = engine == "ours" and device.type == "cuda"
+                with torch.inference_mode():
+                    time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks its kernels
+                    prefill_ms, steps = time_ours(ours, ids, args.new, graph)
+                row = decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy)
+                results.append(row)
+                say(json.dumps(row), flush=True)
+
+    for name in args.models:
+        hf = build_hf(name, device, dtype)
+        with torch.no_grad():  # rank 0's random weights on every rank, whatever each GPU's init drew
+            for tensor in hf.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        if rank == 0:
+            ours = ours_from_hf(hf, args.norm)
+            measure(name, ours, tp=1)
+            ours = None
+            torch.cuda.empty_cache()
+        dist.barrier(group=cpu_group)
+        tp = TensorParallel.from_default_group(Qwen3Config.from_dict(hf.config.to_dict()), device)
+        ours = ours_from_hf(hf, args.norm, tp)
+        hf = None
+        torch.cuda.empty_cache()
+        say(f"qwen3-{name}: {tp}", flush=True)
+        measure(name, ours, tp=args.tp)
+        ours = None
+        torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        write_json(args.json, args, device, copy, results, [])
+    dist.barrier(group=cpu_group)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["0.6b"], choices=list(CONFIGS))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
-    p.add_argument("--engines", nargs="+", default=["ours", "ours_eager", "hf_eager", "hf_static_compile"])
+    p.add_argument("--engines", nargs="+", default=None,
+                   help="default: ours ours_eager hf_eager hf_static_compile; with --tp: ours")
     p.add_argument("--hf-batches", nargs="+", type=int, default=None,
                    help="batch sizes at which transformers runs (default: all; its compile takes ~1 min each)")
     p.add_argument("--prompt", type=int, default=128)
@@ -186,7 +368,15 @@ def main() -> None:
     p.add_argument("--norm", default="auto")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--json", type=Path, help="write (or extend, replacing rows of the same key) this file")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks, under torchrun with as many processes (see above); default 1")
+    p.add_argument("--parity", action="store_true", help="with --tp: first check greedy tokens tp=N == tp=1 (fp32)")
     args = p.parse_args()
+    if args.tp > 1:
+        args.engines = args.engines or ["ours"]
+        main_tp(args)
+        return
+    args.engines = args.engines or ["ours", "ours_eager", "hf_eager", "hf_static_compile"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     copy = copy_bandwidth_GBps(device)
@@ -194,7 +384,6 @@ def main() -> None:
     results, prefills = [], []
     for name in args.models:
         hf, ours = build(name, device, dtype, args.norm)
-        weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())  # resident
         gen = torch.Generator().manual_seed(0)
         for batch in args.batches:
             ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
@@ -212,11 +401,7 @@ def main() -> None:
                         kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
                         time_hf(hf, ids, args.new, **kwargs)  # warm up: compiles the static-cache forward
                         prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
-                row = dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=1,
-                           commit=args.commit,
-                           decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
-                           weight_GB=round(weight_bytes / 1e9, 3),
-                           hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
+                row = decode_row(name, engine, batch, args, 1, prefill_ms, steps, ours, copy)
                 results.append(row)
                 print(json.dumps(row), flush=True)
         if args.long_prompt:
@@ -232,20 +417,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        summary = dict(date=datetime.date.today().isoformat(), commit=args.commit,
-                       gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       copy_GBps=round(copy, 1),
-                       versions=dict(torch=torch.__version__, transformers=transformers.__version__,
-                                     triton=getattr(sys.modules.get("triton"), "__version__", None)),
-                       results=results, prefill=prefills)
-        if args.json.exists():  # keep rows of other models/engines from an earlier run
-            old = json.loads(args.json.read_text())
-            key = lambda r: (r["model"], r["engine"], r["batch"], r.get("tp", 1))  # noqa: E731
-            fresh = {key(r) for r in results}
-            summary["results"] = [r for r in old.get("results", []) if key(r) not in fresh] + results
-            fresh_prefill = {r["model"] for r in prefills}
-            summary["prefill"] = [r for r in old.get("prefill", []) if r["model"] not in fresh_prefill] + prefills
-        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(args.json, args, device, copy, results, prefills)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ One prompt's text streams to stdout as it is produced; a batch prints each promp
 are done. Prompt tokens, prefill time, decode speed and peak memory go to stderr. Without --model
 it uses the small model shipped in weights/. A mistake ends in one line on stderr: exit status 2
 for a bad flag, 1 for any other error, 130 on Ctrl-C.
+
+With --tensor-parallel, under torchrun, the model is split over the processes torchrun starts
+(one per GPU, NCCL; or CPU processes, gloo): torchrun --nproc-per-node 2 scripts/generate.py
+--tensor-parallel --prompt "def fibonacci(n):". Every rank generates the same tokens; rank 0 prints.
 """
 
 import argparse
@@ -26,6 +30,7 @@ def interrupted() -> int:
 
 try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere else
     import torch
+    import torch.distributed as dist
 
     from ops import IMPLS, resolve_impl
     from qwen3 import Qwen3ForCausalLM
@@ -98,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each decode step from a CUDA graph captured once (default: on with CUDA; "
                         "--no-cuda-graph runs the step eagerly)")
+    p.add_argument("--tensor-parallel", action="store_true",
+                   help="split the model over the processes torchrun starts (torchrun --nproc-per-node N "
+                        "generate.py --tensor-parallel ...): one GPU each with NCCL, or CPU processes with gloo; "
+                        "rank 0 prints")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
@@ -117,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give at least one --prompt (or --prompt-file)")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.tensor_parallel and "WORLD_SIZE" not in os.environ:
+        p.error("--tensor-parallel runs under torchrun, which starts one process per rank: "
+                "torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel ...")
     return args
 
 
@@ -129,12 +141,19 @@ def run(args: argparse.Namespace) -> None:
         norm = resolve_impl(args.norm, device)
     except ValueError as err:
         fail(f"--norm {args.norm}: {err}")
+    if args.tensor_parallel:  # torchrun's environment names the ranks; one GPU per process
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    show = not args.tensor_parallel or dist.get_rank() == 0  # what one process prints, only rank 0 prints
     if not (args.model / "config.json").is_file():
         fail(f"no model at {args.model}: it has no config.json (pass --model DIR with a Hugging Face "
              "Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
     try:
         tokenizer = load_tokenizer(args.model)
-        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device, norm_impl=args.norm)
+        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device, norm_impl=args.norm,
+                                                 progress=show, tensor_parallel=args.tensor_parallel)
     except (OSError, ValueError, torch.OutOfMemoryError) as err:
         fail(f"cannot load {args.model}: {err}")
 
@@ -158,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
                 continue
             finished[i] = token in eos
             texts[i].append(streams[i].push(token))
-        if len(rows) == 1 and texts[0][-1]:
+        if len(rows) == 1 and texts[0][-1] and show:
             sys.stdout.write(texts[0][-1])
             sys.stdout.flush()
 
@@ -177,6 +196,8 @@ def run(args: argparse.Namespace) -> None:
         fail(err)
     for stream, text in zip(streams, texts):
         text.append(stream.flush())  # what push held back: an unfinished multi-byte character
+    if not show:
+        return
     if len(rows) == 1:
         sys.stdout.write(texts[0][-1] + "\n")
     else:
@@ -192,10 +213,11 @@ def run(args: argparse.Namespace) -> None:
     else:
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB RSS"
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    parallel = f", tensor parallel over {model.tp.size} ranks" if model.tp else ""
     print(
         f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "
         f"{decode_steps} decode steps at {decode_rate:.1f} steps/s ({decode_rate * len(rows):.1f} tok/s), "
-        f"peak {peak}, {device} {dtype}, norm {norm}]",
+        f"peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
         file=sys.stderr,
     )
 
@@ -203,6 +225,8 @@ def run(args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     try:
         run(parse_args(argv))
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except KeyboardInterrupt:
         return interrupted()
     except BrokenPipeError:

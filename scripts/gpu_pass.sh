@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
-#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve]
+#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve] [tp]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
@@ -11,6 +11,11 @@
 # decode-MODEL: scripts/bench_generate.py for one model at batch 1, 8, 32 and 64 (transformers at 1 and 64
 #        for 0.6b, at 1 for 8b: its compile takes about a minute per shape), rows added to OUT/decode-h200.json.
 #        decode-30b-a3b: the MoE model at batch 1 and 32 (transformers eagerly at 1), about 4 minutes.
+# tp: on two GPUs (nvidia-h200-x2): the two-GPU test of tests/test_tensor_parallel.py (graphed fp32 greedy
+#        tokens at tp=2 equal tp=1's) into OUT/tp-tests.log, then scripts/bench_generate.py --tp 2 under torchrun:
+#        a greedy parity check (fp32, from_pretrained), then Qwen3-8B and 0.6B decode at batch 1 and 32, tp=1 and
+#        tp=2 in the same run, rows into OUT/decode-tp-h200.json, log in OUT/decode-tp.log; about 5 minutes
+#        (building the 8B model on each GPU takes most of a minute). NVLink multicast stays off.
 # serve: scripts/bench_serve.py at the 0.6B config, 1, 20, 64 and 256 clients, into OUT/serve-h200.{json,png}.
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
@@ -50,6 +55,14 @@ for stage in $stages; do
       timeout 540 python scripts/bench_generate.py --models "$model" --batches 1 8 32 64 --hf-batches $hf_batches \
         --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
       grep '^{' "$out/decode.log" | tail -n 12 ;;
+    tp)
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      timeout 120 python -m pytest -q tests/test_tensor_parallel.py -k cuda_graph > "$out/tp-tests.log" 2>&1
+      tail -n 3 "$out/tp-tests.log"
+      timeout 400 python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_generate.py --tp 2 \
+        --models 8b 0.6b --batches 1 32 --parity --json "$out/decode-tp-h200.json" ${COMMIT:+--commit "$COMMIT"} \
+        > "$out/decode-tp.log" 2>&1
+      grep -e '^{' -e 'TensorParallel' "$out/decode-tp.log" | tail -n 12 ;;
     serve)
       timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
