@@ -114,8 +114,9 @@ def test_routing_kernel_matches_the_transformers_router(dtype, top_k, norm):
     bf16 logits tie often, and torch orders ties as it likes), weights equal up to the fp32
     softmax's last bits (the exp and the sum's order differ), one rounding step of bf16 at most."""
     config = hf_moe_config(num_experts=40, num_experts_per_tok=top_k, norm_topk_prob=norm)
-    router = hf.Qwen3MoeTopKRouter(config).to(DEVICE, dtype)
+    router = hf.Qwen3MoeTopKRouter(config)
     torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(top_k))
+    router = router.to(DEVICE, dtype)
     x = hidden(dtype=dtype).reshape(-1, config.hidden_size)
     with torch.no_grad():
         logits, expected_weights, expected_ids = router(x)
