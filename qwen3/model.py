@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
 from ops.decode_attention import decode_attention
@@ -36,6 +37,12 @@ from .cache import KVCache, PagedKVCache
 from .config import Qwen3Config
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab
+
+# SDPA's backends, cuDNN's left out: on the H200 (torch 2.11) SDPA picks cuDNN attention for a bf16
+# prefill, and cuDNN builds an execution plan for every new sequence length, about 20 ms per
+# layer: 0.6 s on the first prompt of each length, which a server meets with nearly every
+# request. Flash and memory-efficient attention need no plan. (The CPU has none of cuDNN's.)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -303,13 +310,14 @@ class Attention(nn.Module):
                 n_blocks = -(-batch.n_keys // cache.block_size)
                 k_rows, v_rows = cache.gather(self.layer_idx, batch.block_table[:, :n_blocks])
             k, v = k_rows[:, : batch.n_keys].transpose(1, 2), v_rows[:, : batch.n_keys].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v,  # [B, H, T, hd] against [B, K, keys, hd]
-            attn_mask=batch.mask,
-            is_causal=batch.mask is None and T > 1,
-            scale=hd**-0.5,
-            enable_gqa=K != H,
-        )
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v,  # [B, H, T, hd] against [B, K, keys, hd]
+                attn_mask=batch.mask,
+                is_causal=batch.mask is None and T > 1,
+                scale=hd**-0.5,
+                enable_gqa=K != H,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
 
 
