@@ -239,7 +239,12 @@ def prepare_batch(
         return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1, block_table)
     if cache is None or (not static and int(positions[:, 0].max()) == 0):
         mask = None
-        if valid is not None:  # causal, padding keys hidden; each token sees itself, so no row is empty (NaN)
+        # Right padding only (each row's tokens first, as the serving engine batches prompts): the
+        # causal rule alone keeps every real token from the padding after it, and SDPA's fused
+        # kernels run without a mask (with one, a batch of long prompts took several times longer).
+        right_padded = valid is not None and not static and torch.equal(
+            valid, torch.arange(T, device=device) < valid.sum(1, keepdim=True))
+        if valid is not None and not right_padded:  # causal, padding keys hidden; each token sees itself (no NaN)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
         return ForwardBatch(positions, fused, cos, sin, slots, mask, None, None, block_table)
