@@ -29,7 +29,8 @@ def main() -> None:
                yscale="log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"greedy decode, 128-token prompt, 256 new; commit {data['commit']}, {data['date']}")
+    commits = sorted({r.get("commit", data["commit"]) for r in data["results"]})
+    fig.suptitle(f"greedy decode, 128-token prompt, 256 new; commits {', '.join(commits)}, {data['date']}")
     fig.tight_layout()
     fig.savefig(sys.argv[2], dpi=110)
 
