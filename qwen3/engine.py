@@ -44,8 +44,8 @@ from .sampling import SamplingParams, next_token
 from .text import TextStream
 
 # Prompts admitted in the same step are prefilled together, right-padded to the longest, up to
-# this many tokens (padding included) per forward: one forward of a few thousand tokens keeps
-# the GPU busy where a short prompt alone would leave it waiting on kernel launches.
+# this many tokens (padding included) per forward by default: one forward of a few thousand
+# tokens keeps the GPU busy where a short prompt alone would leave it waiting on kernel launches.
 PREFILL_TOKENS = 8192
 
 
@@ -173,11 +173,17 @@ class Engine:
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps from CUDA graphs (default: on CUDA).
+    prefill_tokens: prompts admitted together are prefilled in forwards of at most this many
+        tokens, padding included (a longer prompt alone).
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
-                 max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None):
+                 max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
+        self.prefill_tokens = prefill_tokens
         config = model.config
         self.device = model.lm_head.weight.device
         self.max_len = config.max_position_embeddings
@@ -359,8 +365,8 @@ class Engine:
             self.running.append(seq)
             admitted.append(seq)
         group: list[Sequence] = []
-        for seq in admitted:  # in groups of at most PREFILL_TOKENS padded tokens
-            if group and (len(group) + 1) * max(len(seq.ids), *(len(s.ids) for s in group)) > PREFILL_TOKENS:
+        for seq in admitted:  # in groups of at most prefill_tokens padded tokens
+            if group and (len(group) + 1) * max(len(seq.ids), *(len(s.ids) for s in group)) > self.prefill_tokens:
                 self._prefill(group)
                 group = []
             group.append(seq)

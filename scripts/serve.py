@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from ops import IMPLS  # noqa: E402
 from qwen3 import PagedKVCache, Qwen3ForCausalLM  # noqa: E402
-from qwen3.engine import Engine  # noqa: E402
+from qwen3.engine import PREFILL_TOKENS, Engine  # noqa: E402
 from qwen3.text import load_tokenizer  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
@@ -39,14 +39,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache blocks (default: CUDA: 80%% of free GPU memory, at most what max-batch full-"
                         "context sequences use; CPU: 2048 tokens per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
+    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
+                   help="prompts admitted together are prefilled in forwards of at most this many tokens, "
+                        f"padding included (default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)")
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1:
-        p.error("--max-batch and --block-size must be >= 1, --max-waiting >= 0")
+    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
+        p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
     return args
 
 
@@ -76,7 +79,7 @@ def main(argv=None) -> None:
                                                  progress=False)
         n_blocks = args.num_blocks or default_blocks(model, device, args.max_batch, args.block_size)
         engine = Engine(model, tokenizer, n_blocks=n_blocks, block_size=args.block_size, max_batch=args.max_batch,
-                        max_waiting=args.max_waiting, cuda_graph=args.cuda_graph)
+                        max_waiting=args.max_waiting, cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)
     except (OSError, ValueError, KeyError) as err:
         sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
     name = args.served_model_name or args.model.resolve().name

@@ -189,6 +189,24 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
         model.set_norm_impl("auto")
 
 
+@pytest.mark.parametrize("prefill_tokens", [1, 24, 10_000], ids=["one-each", "groups", "all-together"])
+def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens):
+    """Six prompts of different lengths admitted in one step, prefilled one per forward, in
+    right-padded groups of at most 24 tokens, or all in one forward: each row's tokens equal
+    model.generate's for its prompt alone (the torch path; right padding needs no mask)."""
+    lengths = [7, 2, 11, 4, 9, 3]
+    requests = [Request(p, 4, GREEDY, eos_ids=()) for p in prompts(lengths, model.config.vocab_size, seed=7)]
+    expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
+    engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens)
+    outputs = [collect(engine, r) for r in requests]
+    engine.step()
+    assert len(engine.running) == 6  # all admitted in the first step
+    engine.run()
+    assert [tokens(out) for out in outputs] == expected
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        Engine(model, prefill_tokens=0)
+
+
 def test_out_of_blocks_new_requests_wait_and_nothing_is_corrupted(model):
     """A cache that holds about two sequences: the third waits in the queue until blocks free
     up; sequences that outgrow the cache preempt the latest admitted, which is recomputed.
