@@ -6,8 +6,8 @@
 
 softmax over the E logits in fp32, the k largest probabilities, divided by their sum when
 norm_topk_prob, rounded to the logits' dtype. Among equal probabilities (bf16 logits tie often)
-the highest expert id comes first, as torch.topk orders them on the CPU; torch promises no
-order for ties, and its CUDA kernels may differ, which picks another expert of the same weight. In torch
+this kernel takes the highest expert id first; torch.topk promises no order for ties (on the CPU
+it mostly takes the highest too), so where they tie another expert of the same weight may win. In torch
 ops that is four to six kernels per layer (softmax, topk's two, the sum, the division, the
 cast), about 15 us of a decode step's 25 us of routing on the H200; here it is one.
 """
@@ -26,7 +26,8 @@ def _route_kernel(LOGITS, WEIGHTS, IDS, E, TOP_K: tl.constexpr, K_POW2: tl.const
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(LOGITS + n * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
-    p = p / tl.sum(p, axis=0)  # experts past E: 0
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(e < E, p, -1.0)  # lanes past E: below every probability (one that underflows to 0 too)
     j = tl.arange(0, K_POW2)
     top_p = tl.zeros([K_POW2], tl.float32)
     top_id = tl.zeros([K_POW2], tl.int64)

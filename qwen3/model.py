@@ -41,7 +41,10 @@ from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather
 # SDPA's backends, cuDNN's left out: on the H200 (torch 2.11) SDPA picks cuDNN attention for a bf16
 # prefill, and cuDNN builds an execution plan for every new sequence length, about 20 ms per
 # layer: 0.6 s on the first prompt of each length, which a server meets with nearly every
-# request. Flash and memory-efficient attention need no plan. (The CPU has none of cuDNN's.)
+# request. Flash and memory-efficient attention need no plan. (The CPU has none of cuDNN's.) On
+# CUDA, flash takes no mask and memory-efficient attention no grouped k/v (enable_gqa): a masked
+# call of a GQA model would fall to the math backend, which holds every [T, keys] score in fp32,
+# so there k and v are repeated per query head first.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -315,13 +318,16 @@ class Attention(nn.Module):
                 n_blocks = -(-batch.n_keys // cache.block_size)
                 k_rows, v_rows = cache.gather(self.layer_idx, batch.block_table[:, :n_blocks])
             k, v = k_rows[:, : batch.n_keys].transpose(1, 2), v_rows[:, : batch.n_keys].transpose(1, 2)
+        gqa = K != H
+        if gqa and batch.mask is not None and q.is_cuda:  # see SDPA_BACKENDS: each query head its own k/v
+            k, v, gqa = k.repeat_interleave(H // K, dim=1), v.repeat_interleave(H // K, dim=1), False
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k, v,  # [B, H, T, hd] against [B, K, keys, hd]
                 attn_mask=batch.mask,
                 is_causal=batch.mask is None and T > 1,
                 scale=hd**-0.5,
-                enable_gqa=K != H,
+                enable_gqa=gqa,
             )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * hd))
 

@@ -104,7 +104,8 @@ class SparseMoeBlock(nn.Module):
         received tokens (the reference, differentiable, and what runs on the CPU)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, D]
-        kernel = fused or (x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad))
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        kernel = fused or (x.is_cuda and not needs_grad)
         weights, ids = self.route(x, kernel)
         moe = fused_moe if kernel else fused_moe_reference
         return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)

@@ -33,6 +33,7 @@ Choices made here:
 import asyncio
 import json
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -100,16 +101,18 @@ class Outbox:
         self.loop = loop
         self.dirty: list[Outputs] = []
         self.scheduled = False
+        self.lock = threading.Lock()  # the list and the flag change on two threads
 
     def notify(self, outputs: Outputs) -> None:  # the engine's thread
-        self.dirty.append(outputs)
-        if not self.scheduled:
-            self.scheduled = True
+        with self.lock:
+            self.dirty.append(outputs)
+            schedule, self.scheduled = not self.scheduled, True
+        if schedule:
             self.loop.call_soon_threadsafe(self.deliver)
 
-    def deliver(self) -> None:  # the loop: cleared before the swap, so a later notify schedules again
-        self.scheduled = False
-        dirty, self.dirty = self.dirty, []
+    def deliver(self) -> None:  # the loop
+        with self.lock:
+            dirty, self.dirty, self.scheduled = self.dirty, [], False
         for outputs in dirty:
             outputs.ready.set()
 
@@ -334,10 +337,12 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
     async def lifespan(app: FastAPI):
         interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        engine.start()
-        yield
-        engine.stop()
-        sys.setswitchinterval(interval)
+        try:
+            engine.start()
+            yield
+            engine.stop()
+        finally:
+            sys.setswitchinterval(interval)
 
     app = FastAPI(title="qwen3-from-scratch", lifespan=lifespan)
     app.state.server = server

@@ -10,7 +10,7 @@ measures a server already running at --url. For each concurrency c: c clients, e
 streaming completions one after another (prompts of random token ids, lengths uniform in
 [--prompt-min, --prompt-max]; --output tokens each, greedy, ignore_eos) until --requests-per-client
 requests each are done. total_tok_s = generated tokens (usage) / wall time of the level;
-ttft = time from sending a request to its first streamed chunk (the server sends one per token).
+ttft = time from sending a request to its first streamed chunk (its first token's).
 Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "prompt_tokens",
 "output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "requests", "failed"}]}.
 """

@@ -189,20 +189,29 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
         model.set_norm_impl("auto")
 
 
-@pytest.mark.parametrize("prefill_tokens", [1, 24, 10_000], ids=["one-each", "groups", "all-together"])
-def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens):
+@pytest.mark.parametrize("prefill_tokens, groups", [(1, [1] * 6), (24, [2, 2, 2]), (10_000, [6])],
+                         ids=["one-each", "groups", "all-together"])
+def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, groups):
     """Six prompts of different lengths admitted in one step, prefilled one per forward, in
-    right-padded groups of at most 24 tokens, or all in one forward: each row's tokens equal
-    model.generate's for its prompt alone (the torch path; right padding needs no mask)."""
+    right-padded groups of at most 24 tokens ([7, 2], [11, 4], [9, 3]), or all in one forward:
+    each row's tokens equal model.generate's for its prompt alone (the torch path; right padding
+    needs no mask), the one whose max_tokens is 1 ending in the prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
-    requests = [Request(p, 4, GREEDY, eos_ids=()) for p in prompts(lengths, model.config.vocab_size, seed=7)]
+    requests = [Request(p, 1 if i == 1 else 4, GREEDY, eos_ids=())
+                for i, p in enumerate(prompts(lengths, model.config.vocab_size, seed=7))]
     expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
     engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens)
     outputs = [collect(engine, r) for r in requests]
-    engine.step()
-    assert len(engine.running) == 6  # all admitted in the first step
+    prefill_rows = []  # rows of each forward of more than one token: the prefills
+    hook = model.register_forward_pre_hook(
+        lambda module, args: prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None)
+    try:
+        engine.step()
+    finally:
+        hook.remove()
+    assert prefill_rows == groups and len(engine.running) == 5  # the max_tokens=1 request ended in its prefill
     engine.run()
-    assert [tokens(out) for out in outputs] == expected
+    assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(model, prefill_tokens=0)
 

@@ -127,6 +127,24 @@ def test_routing_kernel_matches_the_transformers_router(dtype, top_k, norm):
     torch.testing.assert_close(weights, expected_weights, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6, atol=0)
 
 
+def test_routing_kernel_never_picks_past_the_last_expert():
+    """E = 40 is not a power of two: the kernel's lanes 40-63 hold no expert. Experts whose
+    probability underflows to 0 must still win over them."""
+    logits = torch.full((1, 40), -200.0)
+    logits[0, 0] = 0.0
+    weights, ids = moe_route(logits.to(DEVICE), 3, False)
+    assert ids.max() < 40 and ids[0, 0] == 0 and torch.equal(weights[0, 1:].cpu(), torch.zeros(2))
+
+
+def test_sparse_block_trains_its_experts_behind_a_frozen_input():
+    """Only the experts and router require grad (a frozen backbone: the block's input does not):
+    the block must take the differentiable path, on CUDA too, and give them gradients."""
+    block = SparseMoeBlock(our_config(hf_moe_config())).to(DEVICE)
+    x = torch.randn(1, 3, 64, device=DEVICE)
+    block(x).square().sum().backward()
+    assert block.gate.weight.grad is not None and block.experts.gate_up_proj.grad is not None
+
+
 def test_decode_routing_needs_no_host_sync():
     """Routing and the tile plan compile into one graph with fullgraph=True: nothing reads a
     tensor's value back to the host (.item(), nonzero, a data-dependent shape would break it)."""
