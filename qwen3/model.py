@@ -38,10 +38,10 @@ from .config import Qwen3Config
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab
 
-# SDPA's backends, cuDNN's left out: on the H200 (torch 2.11) SDPA picks cuDNN attention for a bf16
-# prefill, and cuDNN builds an execution plan for every new sequence length, about 20 ms per
-# layer: 0.6 s on the first prompt of each length, which a server meets with nearly every
-# request. Flash and memory-efficient attention need no plan. (The CPU has none of cuDNN's.) On
+# SDPA's backends, cuDNN's left out: SDPA may pick cuDNN attention for a 16-bit prefill, and cuDNN
+# builds an execution plan for every new sequence length (tens of ms per layer), which a server
+# meets with nearly every request. Flash and memory-efficient attention need no plan. (The CPU
+# has none of cuDNN's.) On
 # CUDA, flash takes no mask and memory-efficient attention no grouped k/v (enable_gqa): a masked
 # call of a GQA model would fall to the math backend, which holds every [T, keys] score in fp32,
 # so there k and v are repeated per query head first.

@@ -105,7 +105,12 @@ def test_mlp(dtype, fused):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_impl", ["torch", "triton"])
 def test_decoder_layer(dtype, norm_impl):
-    model = hf_model(seed=3, dtype=dtype).to(DEVICE)
+    assert_decoder_layer_matches(hf_model(seed=3, dtype=dtype).to(DEVICE), dtype, norm_impl)
+
+
+def assert_decoder_layer_matches(model, dtype: torch.dtype, norm_impl: str) -> ours.DecoderLayer:
+    """Our DecoderLayer, loaded with the first layer of transformers' `model`, gives its output
+    (ours: (h, residual), whose sum is HF's `residual + hidden_states`). Returns our layer."""
     theirs = model.model.layers[0]
     cfg = our_config(model.config, norm_impl)
     mine = ours.DecoderLayer(cfg, layer_idx=0).to(DEVICE, dtype)
@@ -118,7 +123,8 @@ def test_decoder_layer(dtype, norm_impl):
                           position_embeddings=rotary(positions, dtype))
         expected = expected[0] if isinstance(expected, tuple) else expected
         h, residual = mine(x, None, ours.prepare_batch(rotary, positions, dtype, fused=norm_impl == "triton"))
-    assert_layer_close(h + residual, expected)  # HF's `residual + hidden_states`
+    assert_layer_close(h + residual, expected)
+    return mine
 
 
 # ------------------------------------------------------------------------------ end to end

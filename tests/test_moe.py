@@ -6,35 +6,25 @@ import json
 import pytest
 import torch
 import transformers
-from checkpoints import save, spread_weights
+from checkpoints import SMALL, save, spread_weights
 from conftest import DEVICE, INTERPRETED, requires_cuda
 from safetensors.torch import load_file, save_file
-from test_model import assert_layer_close, hf_causal_mask, hidden, input_ids, kernels_run
+from test_model import assert_decoder_layer_matches, assert_layer_close, hidden, input_ids, kernels_run
 from tolerances import LAYER_FP32_ATOL, LAYER_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from ops.fused_moe import fused_moe, fused_moe_reference, routing_plan
 from ops.moe_route import moe_route
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
-from qwen3 import model as ours
 from qwen3.moe import SparseMoeBlock
 
 SMALL_MOE = dict(
-    vocab_size=384,
-    hidden_size=64,
+    SMALL,  # the dense tests' model, with experts
     intermediate_size=96,  # the dense layers' (mlp_only_layers, decoder_sparse_step)
     moe_intermediate_size=32,
     num_experts=8,
     num_experts_per_tok=2,
     norm_topk_prob=True,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
 )
 
 
@@ -232,21 +222,8 @@ def test_sparse_block_loads_a_checkpoint_layout_state_dict(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_impl", ["torch", "triton"])
 def test_decoder_layer(dtype, norm_impl):
-    model = hf_moe_model(seed=4, dtype=dtype).to(DEVICE)
-    theirs = model.model.layers[0]
-    cfg = our_config(model.config, norm_impl)
-    mine = ours.DecoderLayer(cfg, layer_idx=0).to(DEVICE, dtype)
+    mine = assert_decoder_layer_matches(hf_moe_model(seed=4, dtype=dtype).to(DEVICE), dtype, norm_impl)
     assert isinstance(mine.mlp, SparseMoeBlock)
-    mine.load_state_dict(theirs.state_dict())
-    x = hidden(dtype=dtype)
-    positions = torch.arange(x.shape[1], device=DEVICE).expand(x.shape[0], -1)
-    rotary = ours.RotaryEmbedding(cfg)
-    with torch.no_grad():
-        expected = theirs(x, attention_mask=hf_causal_mask(x.shape[1], dtype),
-                          position_embeddings=rotary(positions, dtype))
-        expected = expected[0] if isinstance(expected, tuple) else expected
-        h, residual = mine(x, None, ours.prepare_batch(rotary, positions, dtype, fused=norm_impl == "triton"))
-    assert_layer_close(h + residual, expected)
 
 
 # ------------------------------------------------------------------------------ end to end
