@@ -11,7 +11,8 @@ Decode (at most PAIR_PATH_MAX_PAIRS pairs, e.g. batch 8 at k = 8): no routing pl
 (token, expert) pair is its own row of work: one program per (pair, BLOCK_N output columns) reads
 its expert's weight rows once, as a GEMV does. Two pairs that share an expert read its weights
 twice, which costs less than sorting when the pairs are few and mostly hit different experts.
-Two launches (gate/up, down) and the combine.
+Two launches: gate/up per pair; then per (token, BLOCK_N output columns) the down projections of
+the token's k pairs and their sum (the combine below, in the same order and rounding).
 
 Prefill and large batches: grouped GEMMs over the pairs sorted by expert.
 1. Routing plan (torch ops on the device, no host sync, shapes from N, k and E alone): the N*k
@@ -50,6 +51,14 @@ def pair_config(K: int) -> tuple[int, int]:
     if K <= 512:
         return 8, triton.next_power_of_2(K)
     return 8, next((b for b in (512, 256, 128) if K % b == 0), 512)
+
+
+def down_combine_config(I: int, top_k: int) -> tuple[int, int, int]:  # noqa: E741
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-combine pair kernel: each program holds a
+    [k, BLOCK_N, BLOCK_K] tile of its token's k experts' weights; BLOCK_N output columns x k
+    experts, BLOCK_K chosen so that the tile stays at 8K elements (32 per thread of 8 warps)."""
+    block_k = max(16, min(triton.next_power_of_2(I), 8192 // (8 * triton.next_power_of_2(top_k))))
+    return 8, block_k, 8
 
 
 def tile_config(pairs: int) -> tuple[int, int, int]:
@@ -172,25 +181,37 @@ def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa
 
 
 @triton.jit
-def _down_pair_kernel(H, W2, TOPK_WEIGHTS, TOPK_IDS, Y, D, I,  # noqa: E741
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[pair, cols] = (H[pair] @ down_e^T) * weight[pair], e = the pair's expert."""
-    pair = tl.program_id(0).to(tl.int64)
-    expert = tl.load(TOPK_IDS + pair).to(tl.int64)
+def _down_combine_pair_kernel(H, W2, TOPK_WEIGHTS, TOPK_IDS, OUT, D, I, TOP_K: tl.constexpr,  # noqa: E741
+                              K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[n, cols] = the sum over token n's k pairs p = n * k + j of round(round(H[p] @ down_e^T) *
+    weight[p]), e = the pair's expert, added to zero in increasing expert id, each sum rounded:
+    the down projection and the combine in one pass, all k experts' weight rows in flight at once."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, K_POW2)
+    j_ok = j < TOP_K
+    pair = n * TOP_K + j  # [K_POW2]
+    ids = tl.load(TOPK_IDS + pair, mask=j_ok, other=0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
-    w = W2 + expert * D * I
-    acc = tl.zeros([BLOCK_N], tl.float32)
+    w_row = ids.to(tl.int64)[:, None] * D + cols[None, :]  # [K_POW2, BLOCK_N]: rows of W2 seen as [E * D, I]
+    w_ok = j_ok[:, None] & col_ok[None, :]
+    acc = tl.zeros([K_POW2, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < I
-        h = tl.load(H + pair * I + k, mask=k_ok, other=0.0).to(tl.float32)
-        w_down = tl.load(w + cols[:, None].to(tl.int64) * I + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-        acc += tl.sum(w_down.to(tl.float32) * h[None, :], axis=1)
-    dtype = Y.dtype.element_ty
-    weight = tl.load(TOPK_WEIGHTS + pair).to(tl.float32)
-    tl.store(Y + pair * D + cols, round_to(round_to(acc, dtype).to(tl.float32) * weight, dtype), mask=col_ok)
+        h = tl.load(H + pair[:, None] * I + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W2 + w_row[:, :, None] * I + k[None, None, :], mask=w_ok[:, :, None] & k_ok[None, None, :],
+                    other=0.0)  # [K_POW2, BLOCK_N, BLOCK_K]
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    dtype = OUT.dtype.element_ty
+    weight = tl.load(TOPK_WEIGHTS + pair, mask=j_ok, other=0.0).to(tl.float32)
+    y = round_to(round_to(acc, dtype).to(tl.float32) * weight[:, None], dtype).to(tl.float32)
+    order_ids = tl.where(j_ok, ids, 2**30)
+    rank = tl.sum((order_ids[None, :] < order_ids[:, None]).to(tl.int32), axis=1)  # [K_POW2] place in id order
+    out = tl.zeros([BLOCK_N], tl.float32)
+    for r in tl.static_range(TOP_K):
+        out = round_to(out + tl.sum(tl.where(rank[:, None] == r, y, 0.0), axis=0), dtype).to(tl.float32)
+    tl.store(OUT + n * D + cols, out.to(dtype), mask=col_ok)
 
 
 @triton.jit
@@ -221,27 +242,28 @@ def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if N == 0:
         return out
     pairs = N * top_k
-    y = x.new_empty(pairs, D)  # [N*k, D] by pair
     if pairs <= PAIR_PATH_MAX_PAIRS:
         h = x.new_empty(pairs, I)  # [N*k, I] by pair
         block_n, block_k = pair_config(D)
         _gate_up_pair_kernel[(pairs, triton.cdiv(I, block_n))](x, w13, h, topk_ids, D, I, TOP_K=top_k,
                                                                 BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-        block_n, block_k = pair_config(I)
-        _down_pair_kernel[(pairs, triton.cdiv(D, block_n))](h, w2, topk_weights, topk_ids, y, D, I,
-                                                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-    else:
-        block_m, block_n, block_k = tile_config(pairs)
-        order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)
-        tiles = tile_expert.numel()
-        ieee = x.dtype == torch.float32
-        h = x.new_empty(pairs, I)  # [N*k, I] in sorted order
-        _gate_up_kernel[(tiles, triton.cdiv(I, block_n))](
-            x, w13, h, order, tile_expert, tile_row0, tile_row_end, D, I, E, TOP_K=top_k, IEEE=ieee,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
-        _down_kernel[(tiles, triton.cdiv(D, block_n))](
-            h, w2, topk_weights, y, order, tile_expert, tile_row0, tile_row_end, D, I, E, IEEE=ieee,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        block_n, block_k, warps = down_combine_config(I, top_k)
+        _down_combine_pair_kernel[(N, triton.cdiv(D, block_n))](
+            h, w2, topk_weights, topk_ids, out, D, I, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        return out
+    block_m, block_n, block_k = tile_config(pairs)
+    order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)
+    tiles = tile_expert.numel()
+    ieee = x.dtype == torch.float32
+    h = x.new_empty(pairs, I)  # [N*k, I] in sorted order
+    y = x.new_empty(pairs, D)  # [N*k, D] by pair
+    _gate_up_kernel[(tiles, triton.cdiv(I, block_n))](
+        x, w13, h, order, tile_expert, tile_row0, tile_row_end, D, I, E, TOP_K=top_k, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    _down_kernel[(tiles, triton.cdiv(D, block_n))](
+        h, w2, topk_weights, y, order, tile_expert, tile_row0, tile_row_end, D, I, E, IEEE=ieee,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     block_d = min(1024, triton.next_power_of_2(D))
     _combine_kernel[(N, triton.cdiv(D, block_d))](y, topk_ids, out, D, TOP_K=top_k,
                                                   K_POW2=triton.next_power_of_2(top_k), BLOCK_D=block_d, num_warps=4)

@@ -60,8 +60,8 @@ def random_routing(N, k, E, dtype, seed, unused=()):
     "N, k, E, D, I",
     # sorted tiles (more than PAIR_PATH_MAX_PAIRS pairs): prefill-like, top-1 with odd widths;
     # one program row per pair: a decode step at batch 1 and at batch 8
-    [(33, 2, 8, 64, 32), (70, 1, 4, 40, 24), (1, 8, 16, 64, 48), (8, 4, 16, 72, 40)],
-    ids=["prefill", "top1-odd", "decode", "decode-batch8"],
+    [(33, 2, 8, 64, 32), (70, 1, 4, 40, 24), (1, 8, 16, 64, 48), (8, 4, 16, 72, 40), (5, 3, 8, 48, 40)],
+    ids=["prefill", "top1-odd", "decode", "decode-batch8", "decode-top3"],
 )
 def test_fused_moe_kernel_matches_the_torch_reference(dtype, N, k, E, D, I):  # noqa: E741
     """Random routing that leaves some experts without tokens. The kernel rounds where the reference
