@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot
+from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 
 __all__ = ["decode_attention", "num_splits"]
 
@@ -44,8 +44,9 @@ def _split_kernel(
     scale, max_len, stride_kb, stride_ks, stride_table,
     PAGED: tl.constexpr, PAGE: tl.constexpr,
     N_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_kernels(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +93,8 @@ def _split_kernel(
 
 @triton.jit
 def _merge_kernel(O_PART, LSE_PART, OUT, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, HD: tl.constexpr,
-                  BLOCK_HD: tl.constexpr):
+                  BLOCK_HD: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_kernels(PDL)
     row_head = tl.program_id(0).to(tl.int64)  # b * H + h
     sp = tl.arange(0, BLOCK_SPLITS)
     d = tl.arange(0, BLOCK_HD)
@@ -116,6 +118,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     group = H // K
     block_hd = triton.next_power_of_2(hd)
     paged = block_table is not None
+    pdl = use_pdl(q.device)
     page = k_cache.shape[1] if paged else 1
     max_len = block_table.shape[1] * page if paged else k_cache.shape[1]  # keys a row can hold
     _split_kernel[(B, K, splits)](
@@ -123,10 +126,10 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
-        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, num_warps=4,
+        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
-                            HD=hd, BLOCK_HD=block_hd, num_warps=1)
+                            HD=hd, BLOCK_HD=block_hd, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out
 
 

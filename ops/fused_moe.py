@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, round_to
+from .triton_helpers import dot, round_to, use_pdl, wait_for_prior_kernels
 
 __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 
@@ -153,9 +153,10 @@ def _down_kernel(H, W2, TOPK_WEIGHTS, Y, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW
 
 @triton.jit
 def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa: E741
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """H[pair, cols] = silu(x_n @ gate_e^T) * (x_n @ up_e^T) for pair = n * TOP_K + j, e = its expert;
     fp32 products summed in fp32 (a GEMV: no tensor cores, no TF32)."""
+    wait_for_prior_kernels(PDL)
     pair = tl.program_id(0).to(tl.int64)
     token = pair // TOP_K
     expert = tl.load(TOPK_IDS + pair).to(tl.int64)
@@ -182,10 +183,12 @@ def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa
 
 @triton.jit
 def _down_combine_pair_kernel(H, W2, TOPK_WEIGHTS, TOPK_IDS, OUT, D, I, TOP_K: tl.constexpr,  # noqa: E741
-                              K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr):
     """OUT[n, cols] = the sum over token n's k pairs p = n * k + j of round(round(H[p] @ down_e^T) *
     weight[p]), e = the pair's expert, added to zero in increasing expert id, each sum rounded:
     the down projection and the combine in one pass, all k experts' weight rows in flight at once."""
+    wait_for_prior_kernels(PDL)
     n = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, K_POW2)
     j_ok = j < TOP_K
@@ -244,13 +247,15 @@ def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     pairs = N * top_k
     if pairs <= PAIR_PATH_MAX_PAIRS:
         h = x.new_empty(pairs, I)  # [N*k, I] by pair
+        pdl = use_pdl(x.device)
         block_n, block_k = pair_config(D)
         _gate_up_pair_kernel[(pairs, triton.cdiv(I, block_n))](x, w13, h, topk_ids, D, I, TOP_K=top_k,
-                                                                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+                                                                BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+                                                                num_warps=4, launch_pdl=pdl)
         block_n, block_k, warps = down_combine_config(I, top_k)
         _down_combine_pair_kernel[(N, triton.cdiv(D, block_n))](
             h, w2, topk_weights, topk_ids, out, D, I, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+            BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, launch_pdl=pdl)
         return out
     block_m, block_n, block_k = tile_config(pairs)
     order, tile_expert, tile_row0, tile_row_end = routing_plan(topk_ids, E, block_m)

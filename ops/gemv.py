@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to
+from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 
 __all__ = ["gemv", "gemv_rms_norm"]
 
@@ -42,11 +42,13 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
 
 @triton.jit
 def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """GATED: X is [gate | up] (2K values) and the row is silu(gate) * up, rounded as silu_mul
     rounds it (ops/silu_mul.py): SwiGLU's product fused into the down projection.
     NORM: the row is rms_norm(X (+ R if HAS_RESIDUAL), NW, eps), rounded as ops/rmsnorm_triton.py
     rounds it; the first program stores X + R to S."""
+    wait_for_prior_kernels(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     dtype = W.dtype.element_ty
@@ -90,10 +92,12 @@ def _launch(x, weight, bias, gated, residual, norm_weight, eps, summed) -> torch
     y = x.new_empty(*x.shape[:-1], N)
     block_n, block_k, warps = gemv_config(N, K)
     norm = norm_weight is not None
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm else x, summed if summed is not None else x,
         weight, bias if bias is not None else x, y, N, K, eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return y
 
 

@@ -16,12 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_helpers import use_pdl, wait_for_prior_kernels
+
 __all__ = ["moe_route"]
 
 
 @triton.jit
 def _route_kernel(LOGITS, WEIGHTS, IDS, E, TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_E: tl.constexpr,
-                  NORM: tl.constexpr):
+                  NORM: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior_kernels(PDL)
     n = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     logits = tl.load(LOGITS + n * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -50,7 +53,8 @@ def _moe_route_op(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     ids = torch.empty(N, top_k, dtype=torch.long, device=logits.device)
     if N:
         _route_kernel[(N,)](logits, weights, ids, E, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
-                            BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, num_warps=4)
+                            BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, PDL=use_pdl(logits.device),
+                            num_warps=4, launch_pdl=use_pdl(logits.device))
     return weights, ids
 
 

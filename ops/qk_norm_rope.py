@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to
+from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 
 __all__ = ["qk_norm_rope"]
 
@@ -28,10 +28,11 @@ def _qk_norm_rope_kernel(
     QKV, QW, KW, COS, SIN, POS, SLOTS, Q_OUT, K_OUT, K_CACHE, V_CACHE,
     n_slots, eps,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_CACHE: tl.constexpr,
+    HAS_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token, head) of the H + 2K heads: q and k heads are normalized, rotated
     and stored (k also to the cache); v heads are copied to the cache."""
+    wait_for_prior_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
@@ -93,7 +94,7 @@ def _qk_norm_rope_op(
             k_cache if has_cache else q, v_cache if has_cache else q,
             k_cache.shape[0] if has_cache else 1, eps,
             N_HEADS=n_heads, N_KV=n_kv_heads, HD=hd, BLOCK_HALF=triton.next_power_of_2(hd // 2),
-            HAS_CACHE=has_cache, num_warps=1,
+            HAS_CACHE=has_cache, PDL=use_pdl(qkv.device), num_warps=1, launch_pdl=use_pdl(qkv.device),
         )
     return q, k
 

@@ -1,11 +1,39 @@
 """Small @triton.jit helpers shared by the Triton kernels of ops/."""
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+PDL_ENABLED = True  # False: every kernel launches without programmatic dependent launch (for comparisons)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether the decode kernels on `device` launch with programmatic dependent launch (Hopper and
+    newer; `launch_pdl=` of a Triton launch): a kernel is started while the one before it in the
+    stream finishes, and waits for it in `wait_for_prior_kernels`, so each of the ~200 small
+    launches of a decode step hides its start-up behind the previous kernel's tail, in a CUDA graph too."""
+    return PDL_ENABLED and device.type == "cuda" and not INTERPRETED and _hopper_or_newer(device.index)
+
+
+@functools.cache
+def _hopper_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@triton.jit
+def wait_for_prior_kernels(PDL: tl.constexpr):
+    """The first statement of a kernel launched with launch_pdl=PDL: wait until the kernel before it
+    has finished and its writes are visible, then let the next one start. Every program passes
+    here before it can exit, so a kernel never finishes before its predecessor: the order holds
+    across any chain of launches."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
