@@ -365,7 +365,9 @@ class Engine:
             self.running.append(seq)
             admitted.append(seq)
         group: list[Sequence] = []
-        for seq in admitted:  # in groups of at most prefill_tokens padded tokens
+        # Shortest first, in groups of at most prefill_tokens padded tokens: rows of like length
+        # waste little on padding, and the short prompts get their first token soonest.
+        for seq in sorted(admitted, key=lambda s: len(s.ids)):
             if group and (len(group) + 1) * max(len(seq.ids), *(len(s.ids) for s in group)) > self.prefill_tokens:
                 self._prefill(group)
                 group = []

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--server-args", default="", help="more flags for serve.py, e.g. '--num-blocks 20000'")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="processes the clients are spread over (each with its own event loop)")
     p.add_argument("--timeout", type=float, default=600, help="seconds a level may take at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD, where there is one)")
@@ -120,26 +123,48 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: lis
     return {"ok": ttft is not None, "ttft": ttft, "tokens": tokens}
 
 
-async def level(url: str, model: str, concurrency: int, args, rng: random.Random, vocab: int) -> dict:
-    n = concurrency * args.requests_per_client
-    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
-               for _ in range(n)]
-    todo = list(range(n))
+async def clients(url: str, model: str, concurrency: int, prompts: list[list[int]], output: int,
+                  timeout: float) -> tuple[list[dict], float, float]:
+    """(one result per prompt, start, end) of `concurrency` clients taking the prompts one after
+    another; start and end are wall-clock times (time.time()), comparable across processes."""
+    todo = list(range(len(prompts)))
     results: list[dict] = []
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
 
         async def client():
             while todo:
                 i = todo.pop()
                 try:
-                    results.append(await one_request(http, url, model, prompts[i], args.output))
+                    results.append(await one_request(http, url, model, prompts[i], output))
                 except httpx.HTTPError as err:
                     results.append({"ok": False, "error": repr(err)})
 
-        start = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(concurrency))), args.timeout)
-        wall = time.perf_counter() - start
+        start = time.time()
+        await asyncio.wait_for(asyncio.gather(*(client() for _ in range(concurrency))), timeout)
+        return results, start, time.time()
+
+
+def client_process(job: tuple) -> tuple[list[dict], float, float]:
+    return asyncio.run(clients(*job))
+
+
+def level(url: str, model: str, concurrency: int, args, rng: random.Random, vocab: int) -> dict:
+    """One concurrency level. The clients are spread over --client-processes processes: one Python
+    process parsing every streamed chunk of hundreds of streams would measure itself, not the server."""
+    n = concurrency * args.requests_per_client
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+               for _ in range(n)]
+    procs = max(1, min(args.client_processes, concurrency))
+    jobs = [(url, model, concurrency // procs + (i < concurrency % procs), prompts[i::procs], args.output,
+             args.timeout) for i in range(procs)]
+    if procs == 1:
+        parts = [client_process(jobs[0])]
+    else:
+        with multiprocessing.get_context("spawn").Pool(procs) as pool:
+            parts = pool.map(client_process, jobs)
+    results = [r for part in parts for r in part[0]]
+    wall = max(part[2] for part in parts) - min(part[1] for part in parts)
     ok = [r for r in results if r["ok"]]
     ttfts = sorted(r["ttft"] * 1e3 for r in ok)
 
@@ -213,11 +238,10 @@ def main(argv=None) -> None:
 
             vocab = AutoConfig.from_pretrained(model_dir).vocab_size if not args.url else 1000
         name = f"qwen3-{args.config}" if args.config else model
-        asyncio.run(level(url, model, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng,
-                          vocab))  # warm-up
+        level(url, model, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng, vocab)  # warm-up
         results = []
         for c in args.concurrency:
-            r = {"model": name, **asyncio.run(level(url, model, c, args, rng, vocab))}
+            r = {"model": name, **level(url, model, c, args, rng, vocab), "client_processes": args.client_processes}
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:

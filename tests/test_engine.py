@@ -189,11 +189,11 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
         model.set_norm_impl("auto")
 
 
-@pytest.mark.parametrize("prefill_tokens, groups", [(1, [1] * 6), (24, [2, 2, 2]), (10_000, [6])],
+@pytest.mark.parametrize("prefill_tokens, groups", [(1, [1] * 6), (24, [3, 2, 1]), (10_000, [6])],
                          ids=["one-each", "groups", "all-together"])
 def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, groups):
-    """Six prompts of different lengths admitted in one step, prefilled one per forward, in
-    right-padded groups of at most 24 tokens ([7, 2], [11, 4], [9, 3]), or all in one forward:
+    """Six prompts of different lengths admitted in one step, prefilled one per forward, shortest
+    first in right-padded groups of at most 24 tokens ([2, 3, 4], [7, 9], [11]), or all in one forward:
     each row's tokens equal model.generate's for its prompt alone (the torch path; right padding
     needs no mask), the one whose max_tokens is 1 ending in the prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
