@@ -78,6 +78,37 @@ class QueueFull(Exception):
     """More requests wait than the engine's queue bound allows."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a request: the vocabulary, the context, the KV cache."""
+
+    vocab_size: int
+    max_len: int
+    n_blocks: int
+    block_size: int
+
+
+def check_request(request: Request, limits: Limits) -> None:
+    """ValueError naming the numbers unless the request can ever run within limits."""
+    n = len(request.prompt_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: generation needs at least one token")
+    if not all(isinstance(t, int) and 0 <= t < limits.vocab_size for t in request.prompt_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if request.seed is not None and not 0 <= request.seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {request.seed}")
+    if n + request.max_tokens > limits.max_len:
+        raise ValueError(f"This model's maximum context length is {limits.max_len} tokens. However, you "
+                         f"requested {n + request.max_tokens} tokens ({n} in the prompt, "
+                         f"{request.max_tokens} for the completion).")
+    blocks = -(-(n + request.max_tokens) // limits.block_size)
+    if blocks > limits.n_blocks:
+        raise ValueError(f"the request needs {blocks} KV-cache blocks of {limits.block_size} tokens "
+                         f"({n} + {request.max_tokens} tokens); the cache has {limits.n_blocks}")
+
+
 @dataclass(eq=False)  # compared by identity: `seq in self.running` must not compare tensors
 class Sequence:
     id: int
@@ -223,25 +254,14 @@ class Engine:
     def free_blocks(self) -> int:
         return self.cache.num_free
 
+    @property
+    def limits(self) -> "Limits":
+        c = self.model.config
+        return Limits(c.vocab_size, self.max_len, self.cache.n_blocks, self.cache.block_size)
+
     def check(self, request: Request) -> None:
         """ValueError naming the numbers unless the request can ever run."""
-        n = len(request.prompt_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: generation needs at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.model.config.vocab_size for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.model.config.vocab_size})")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if request.seed is not None and not 0 <= request.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {request.seed}")
-        if n + request.max_tokens > self.max_len:
-            raise ValueError(f"This model's maximum context length is {self.max_len} tokens. However, you "
-                             f"requested {n + request.max_tokens} tokens ({n} in the prompt, "
-                             f"{request.max_tokens} for the completion).")
-        blocks = self.cache.blocks_for(n + request.max_tokens)
-        if blocks > self.cache.n_blocks:
-            raise ValueError(f"the request needs {blocks} KV-cache blocks of {self.cache.block_size} tokens "
-                             f"({n} + {request.max_tokens} tokens); the cache has {self.cache.n_blocks}")
+        check_request(request, self.limits)
 
     def submit(self, request: Request, on_output: Callable[[Output], None] | None = None) -> int:
         """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
@@ -287,8 +307,7 @@ class Engine:
                 self.step()
             except Exception:  # a bug must not hang every client: end what was in flight, keep serving
                 traceback.print_exc()
-                for seq in list(self.sequences.values()):
-                    self._finish(seq, "error")
+                self.abort_all()
 
     # ---- the engine's thread ----------------------------------------------------------------
 
@@ -300,6 +319,11 @@ class Engine:
         seq = self._new_sequence(request, on_output)
         self._enqueue(seq)
         return seq
+
+    def abort_all(self) -> None:
+        """End every sequence with finish_reason "error" (after a failed step), freeing its blocks."""
+        for seq in list(self.sequences.values()):
+            self._finish(seq, "error")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or not self._inbox.empty())

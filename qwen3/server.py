@@ -11,9 +11,10 @@ client disconnects, so a dropped stream cancels its sequence and frees its block
 bodies are parsed by hand and checked by pydantic, so every bad request gets OpenAI's error
 shape ({"error": {"message", "type", "param", "code"}}), never FastAPI's own 422.
 
-The engine runs in its own thread and owns the model; a request hands it a callback that
-appends each output to the request's Outputs, and the event loop is woken once per engine step
-for every request with news (see Outbox), not once per token.
+The engine runs in a process of its own and owns the model (qwen3/engine_process.py); a request
+hands it a callback, called on the thread that receives the engine's outputs, that appends each
+output to the request's Outputs, and the event loop is woken once per burst of outputs for every
+request with news (see Outbox), not once per token.
 
 Choices made here:
 - A chat request to a model whose tokenizer has no chat template (the shipped base model) is
@@ -44,14 +45,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .engine import Engine, Output, QueueFull
+from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
+from .engine_process import EngineProcess
 from .generation import sampling_params
 
-# The engine's thread and the event loop share the GIL. The engine lets go of it at each torch
-# call (a copy, a graph replay, the wait for the GPU); getting it back from a busy event loop
-# takes up to Python's switch interval, 5 ms by default, which at a dozen torch calls per decode
-# step would stretch a 2 ms step several times over. While serving, the interval is 0.1 ms.
+# The thread that receives the engine's outputs and the event loop share the GIL. The receiver
+# waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
+# Python's switch interval, 5 ms by default, which would hold a decode step's tokens back for
+# longer than the step took. While serving, the interval is 0.1 ms.
 GIL_SWITCH_INTERVAL_S = 1e-4
 
 
@@ -186,9 +188,9 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
 class Server:
     """The routes' shared state: the engine, the tokenizer and what the model is called."""
 
-    def __init__(self, engine: Engine, tokenizer, model_name: str):
+    def __init__(self, engine: EngineProcess, tokenizer, model_name: str):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.generation_config = getattr(engine.model, "generation_config", {}) or {}
+        self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
         self.outbox: Outbox | None = None  # made on the event loop's first request
@@ -329,8 +331,8 @@ class Server:
                 self.engine.cancel(seq_id)
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
-    """The app; its lifespan starts the engine's thread and stops it."""
+def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
+    """The app; its lifespan starts the engine's output receiver and stops the engine."""
     server = Server(engine, tokenizer, model_name)
 
     @asynccontextmanager
@@ -357,11 +359,8 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        cache = engine.cache
-        return {"status": "ok", "free_blocks": cache.num_free, "total_blocks": cache.n_blocks,
-                "block_size": cache.block_size, "running": len(engine.running), "waiting": len(engine.waiting),
-                "peak_running": engine.peak_running,
-                "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}
+        stats = await engine.stats()  # free_blocks, total_blocks, block_size, running, waiting, ...
+        return {"status": "ok", **stats, "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}
 
     @app.get("/v1/models")
     async def models():
@@ -383,7 +382,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> FastAPI:
         server.check_model(req.model)
         ids = server.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        room = min(server.max_len, engine.cache.n_blocks * engine.cache.block_size) - len(ids)
+        room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return await server.run(request, engine_request, chat=True, stream=req.stream, include_usage=include_usage)

@@ -64,7 +64,8 @@ for stage in $stages; do
         > "$out/decode-tp.log" 2>&1
       grep -e '^{' -e 'TensorParallel' "$out/decode-tp.log" | tail -n 12 ;;
     serve)
-      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 ${COMMIT:+--commit "$COMMIT"} \
+      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 --client-processes 4 \
+        ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
       tail -n 8 "$out/serve.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

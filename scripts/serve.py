@@ -1,6 +1,7 @@
 """Serve a Qwen3 checkpoint over an OpenAI-compatible HTTP API: python scripts/serve.py [--model DIR]
 
-Continuous batching over a paged KV cache (qwen3/engine.py), FastAPI + uvicorn (qwen3/server.py).
+Continuous batching over a paged KV cache (qwen3/engine.py) in a process of its own
+(qwen3/engine_process.py), FastAPI + uvicorn (qwen3/server.py).
 Without --model it serves the small model shipped in weights/, so it runs on a fresh checkout,
 on the CPU too. Then:
 
@@ -18,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from ops import IMPLS  # noqa: E402
-from qwen3 import PagedKVCache, Qwen3ForCausalLM  # noqa: E402
-from qwen3.engine import PREFILL_TOKENS, Engine  # noqa: E402
+from qwen3.engine import PREFILL_TOKENS  # noqa: E402
+from qwen3.engine_process import EngineProcess, EngineSpec  # noqa: E402
 from qwen3.text import load_tokenizer  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
@@ -53,16 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def default_blocks(model, device: torch.device, max_batch: int, block_size: int) -> int | None:
-    """On CUDA: 80% of the free memory, but no more than max_batch full-context sequences need."""
-    if device.type != "cuda":
-        return None  # the engine's default
-    free, _ = torch.cuda.mem_get_info(device)
-    by_memory = int(0.8 * free) // PagedKVCache.bytes_per_block(model, block_size)
-    full = max_batch * -(-model.config.max_position_embeddings // block_size)
-    return max(1, min(by_memory, full))
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     import uvicorn
@@ -73,18 +64,18 @@ def main(argv=None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if not args.model.is_dir():
         sys.exit(f"serve.py: error: no model directory at {args.model}")
+    spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
+                      block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
+                      cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)
     try:
         tokenizer = load_tokenizer(args.model)
-        model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=dtype, device=device, norm_impl=args.norm,
-                                                 progress=False)
-        n_blocks = args.num_blocks or default_blocks(model, device, args.max_batch, args.block_size)
-        engine = Engine(model, tokenizer, n_blocks=n_blocks, block_size=args.block_size, max_batch=args.max_batch,
-                        max_waiting=args.max_waiting, cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)
-    except (OSError, ValueError, KeyError) as err:
+        engine = EngineProcess(spec)  # the model is loaded in the engine's process, not here
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
         sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
     name = args.served_model_name or args.model.resolve().name
-    print(f"serving {name} on {device} {str(dtype).removeprefix('torch.')}: {engine.cache.n_blocks} KV blocks of "
-          f"{engine.cache.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
+    limits = engine.limits
+    print(f"serving {name} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV blocks of "
+          f"{limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
           file=sys.stderr, flush=True)
     uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="warning")
 

@@ -303,3 +303,15 @@ def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk()
         assert await asyncio.wait_for(outputs.take(), timeout=5) == later  # one output: itself
 
     asyncio.run(main())
+
+
+def test_a_directory_without_a_checkpoint_ends_serve_py_with_one_line(tmp_path):
+    """The model loads in the engine's process: its error still reaches the user as one line."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((SHIPPED / name).read_bytes())
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(tmp_path),
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=SERVER_START_S,
+                            env=ENV, cwd=ROOT)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"serve.py: error: cannot load {tmp_path}: no config.json at "
+                                          f"{tmp_path / 'config.json'}"]
