@@ -23,59 +23,70 @@ from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 __all__ = ["qk_norm_rope"]
 
 
+def heads_per_program(n_tokens: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps): a decode step's few tokens take a program per head, so that even one
+    token spreads over many SMs; prefill takes 8 heads (2 KiB of bf16) per program, as the norm
+    kernels pack short rows: a 128-value head alone is too little work for a program."""
+    return (1, 1) if n_tokens < 64 else (8, 2)
+
+
 @triton.jit
 def _qk_norm_rope_kernel(
     QKV, QW, KW, COS, SIN, POS, SLOTS, Q_OUT, K_OUT, K_CACHE, V_CACHE,
     n_slots, eps,
     N_HEADS: tl.constexpr, N_KV: tl.constexpr, HD: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    HAS_CACHE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, HAS_CACHE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per (token, head) of the H + 2K heads: q and k heads are normalized, rotated
-    and stored (k also to the cache); v heads are copied to the cache."""
+    """One program per (token, BLOCK_H of its H + 2K heads): q and k heads are normalized,
+    rotated and stored (k also to the cache); v heads are copied to the cache."""
     wait_for_prior_kernels(PDL)
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     HALF: tl.constexpr = HD // 2
     dtype = QKV.dtype.element_ty
     cols = tl.arange(0, BLOCK_HALF)
-    ok = cols < HALF
-    src = QKV + token * (N_HEADS + 2 * N_KV) * HD + head * HD
-    x1 = tl.load(src + cols, mask=ok, other=0.0)
-    x2 = tl.load(src + HALF + cols, mask=ok, other=0.0)
+    col_ok = cols < HALF
+    is_q = head < N_HEADS
+    is_k = (head >= N_HEADS) & (head < N_HEADS + N_KV)
+    is_v = (head >= N_HEADS + N_KV) & (head < N_HEADS + 2 * N_KV)
+    ok = (is_q | is_k | is_v)[:, None] & col_ok[None, :]
+    src = QKV + token * (N_HEADS + 2 * N_KV) * HD + head[:, None] * HD + cols[None, :]
+    x1 = tl.load(src, mask=ok, other=0.0)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0)
     # The caller checks positions against the cache; clamping keeps any slip inside it. (Without
     # a cache SLOTS is the positions tensor: readable, never used.)
     slot = tl.minimum(tl.maximum(tl.load(SLOTS + token), 0), n_slots - 1)
-    if head < N_HEADS + N_KV:
-        if head < N_HEADS:
-            w1 = tl.load(QW + cols, mask=ok, other=0.0).to(tl.float32)
-            w2 = tl.load(QW + HALF + cols, mask=ok, other=0.0).to(tl.float32)
-        else:
-            w1 = tl.load(KW + cols, mask=ok, other=0.0).to(tl.float32)
-            w2 = tl.load(KW + HALF + cols, mask=ok, other=0.0).to(tl.float32)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HD + eps)
-        y1 = round_to(round_to(f1 * rstd, dtype).to(tl.float32) * w1, dtype).to(tl.float32)
-        y2 = round_to(round_to(f2 * rstd, dtype).to(tl.float32) * w2, dtype).to(tl.float32)
-        pos = tl.load(POS + token)
-        c = round_to(tl.load(COS + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)
-        s = round_to(tl.load(SIN + pos * HALF + cols, mask=ok, other=0.0), dtype).to(tl.float32)
-        # [y1, y2] * cos + [-y2, y1] * sin, every product and sum rounded as torch rounds it.
-        out1 = round_to(round_to(y1 * c, dtype).to(tl.float32) + round_to(-y2 * s, dtype).to(tl.float32), dtype)
-        out2 = round_to(round_to(y2 * c, dtype).to(tl.float32) + round_to(y1 * s, dtype).to(tl.float32), dtype)
-        if head < N_HEADS:
-            dst = Q_OUT + (token * N_HEADS + head) * HD
-        else:
-            dst = K_OUT + (token * N_KV + head - N_HEADS) * HD
-        tl.store(dst + cols, out1, mask=ok)
-        tl.store(dst + HALF + cols, out2, mask=ok)
-        if HAS_CACHE and head >= N_HEADS:
-            dst = K_CACHE + (slot * N_KV + head - N_HEADS) * HD
-            tl.store(dst + cols, out1, mask=ok)
-            tl.store(dst + HALF + cols, out2, mask=ok)
-    elif HAS_CACHE:
-        dst = V_CACHE + (slot * N_KV + head - N_HEADS - N_KV) * HD
-        tl.store(dst + cols, x1, mask=ok)
-        tl.store(dst + HALF + cols, x2, mask=ok)
+    # q and k heads: RMSNorm over the head's HD values with its q or k weight, then RoPE.
+    w1 = tl.where(is_q[:, None], tl.load(QW + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :],
+                  tl.load(KW + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+    w2 = tl.where(is_q[:, None], tl.load(QW + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :],
+                  tl.load(KW + HALF + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HD + eps)[:, None]
+    y1 = round_to(round_to(f1 * rstd, dtype).to(tl.float32) * w1, dtype).to(tl.float32)
+    y2 = round_to(round_to(f2 * rstd, dtype).to(tl.float32) * w2, dtype).to(tl.float32)
+    pos = tl.load(POS + token)
+    c = round_to(tl.load(COS + pos * HALF + cols, mask=col_ok, other=0.0), dtype).to(tl.float32)[None, :]
+    s = round_to(tl.load(SIN + pos * HALF + cols, mask=col_ok, other=0.0), dtype).to(tl.float32)[None, :]
+    # [y1, y2] * cos + [-y2, y1] * sin, every product and sum rounded as torch rounds it.
+    out1 = round_to(round_to(y1 * c, dtype).to(tl.float32) + round_to(-y2 * s, dtype).to(tl.float32), dtype)
+    out2 = round_to(round_to(y2 * c, dtype).to(tl.float32) + round_to(y1 * s, dtype).to(tl.float32), dtype)
+    q_ok = is_q[:, None] & col_ok[None, :]
+    q_dst = Q_OUT + (token * N_HEADS + head[:, None]) * HD + cols[None, :]
+    tl.store(q_dst, out1, mask=q_ok)
+    tl.store(q_dst + HALF, out2, mask=q_ok)
+    k_ok = is_k[:, None] & col_ok[None, :]
+    kv_head = tl.where(is_k, head - N_HEADS, head - N_HEADS - N_KV)[:, None]  # for k and v heads alike
+    k_dst = K_OUT + (token * N_KV + kv_head) * HD + cols[None, :]
+    tl.store(k_dst, out1, mask=k_ok)
+    tl.store(k_dst + HALF, out2, mask=k_ok)
+    if HAS_CACHE:
+        cache_row = (slot * N_KV + kv_head) * HD + cols[None, :]
+        tl.store(K_CACHE + cache_row, out1, mask=k_ok)
+        tl.store(K_CACHE + cache_row + HALF, out2, mask=k_ok)
+        v_ok = is_v[:, None] & col_ok[None, :]
+        tl.store(V_CACHE + cache_row, x1, mask=v_ok)
+        tl.store(V_CACHE + cache_row + HALF, x2, mask=v_ok)
 
 
 @torch.library.custom_op("qwen3_ops::qk_norm_rope", mutates_args=("k_cache", "v_cache"))
@@ -89,12 +100,14 @@ def _qk_norm_rope_op(
     k = torch.empty(N, n_kv_heads, hd, dtype=qkv.dtype, device=qkv.device)
     has_cache = k_cache is not None
     if N:
-        _qk_norm_rope_kernel[(N, n_heads + 2 * n_kv_heads)](
+        block_h, warps = heads_per_program(N)
+        pdl = use_pdl(qkv.device)
+        _qk_norm_rope_kernel[(N, triton.cdiv(n_heads + 2 * n_kv_heads, block_h))](
             qkv, q_weight, k_weight, cos, sin, positions, slots if has_cache else positions, q, k,
             k_cache if has_cache else q, v_cache if has_cache else q,
             k_cache.shape[0] if has_cache else 1, eps,
             N_HEADS=n_heads, N_KV=n_kv_heads, HD=hd, BLOCK_HALF=triton.next_power_of_2(hd // 2),
-            HAS_CACHE=has_cache, PDL=use_pdl(qkv.device), num_warps=1, launch_pdl=use_pdl(qkv.device),
+            BLOCK_H=block_h, HAS_CACHE=has_cache, PDL=pdl, num_warps=warps, launch_pdl=pdl,
         )
     return q, k
 

@@ -33,21 +33,24 @@ def randn(*shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2, 32), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
-def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads):
+@pytest.mark.parametrize("N", [7, 70], ids=["decode", "prefill"])  # a program per head; 8 heads per program
+def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads, N):
     H, K, hd = heads
     cfg = hf_config(num_attention_heads=H, num_key_value_heads=K, head_dim=hd, rope_theta=1_000_000.0)
-    N, eps = 7, cfg.rms_norm_eps
+    eps = cfg.rms_norm_eps
     qkv = randn(N, (H + 2 * K) * hd, dtype=dtype, seed=0)
     q_norm, k_norm = hf.Qwen3RMSNorm(hd, eps).to(DEVICE, dtype), hf.Qwen3RMSNorm(hd, eps).to(DEVICE, dtype)
     with torch.no_grad():
         q_norm.weight.copy_(1 + 0.2 * randn(hd, dtype=dtype, seed=1))
         k_norm.weight.copy_(1 + 0.2 * randn(hd, dtype=dtype, seed=2))
-    positions = torch.tensor([0, 1, 5, 63, 200, 511, 7], device=DEVICE)
+    gen = torch.Generator().manual_seed(N)
+    positions = torch.cat([torch.tensor([0, 511]), torch.randint(0, 512, (N - 2,), generator=gen)]).to(DEVICE)
     rotary = RotaryEmbedding(Qwen3Config.from_dict(cfg.to_dict()))
     cos_table, sin_table = rotary.tables(DEVICE)
-    k_cache = torch.zeros(20, K, hd, dtype=dtype, device=DEVICE)
+    n_slots = N + 13
+    k_cache = torch.zeros(n_slots, K, hd, dtype=dtype, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    slots = torch.tensor([3, 0, 19, 7, 8, 2, 11], device=DEVICE)
+    slots = torch.randperm(n_slots, generator=gen)[:N].to(DEVICE)
     with torch.no_grad():
         q, k = qk_norm_rope(qkv, q_norm.weight, k_norm.weight, cos_table, sin_table, positions, eps, H, K,
                             k_cache, v_cache, slots)
@@ -60,7 +63,7 @@ def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads):
     assert_close(k, k_hf[0].transpose(0, 1))
     assert torch.equal(k_cache[slots], k)  # the cache holds exactly what was returned
     assert torch.equal(v_cache[slots], v_hf.view(N, K, hd))
-    untouched = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    untouched = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 

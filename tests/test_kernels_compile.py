@@ -56,9 +56,10 @@ def test_qk_norm_rope_kernel_compiles(dtype):
 
     pointers = {name: f"*{dtype}" for name in ("QKV", "QW", "KW", "Q_OUT", "K_OUT", "K_CACHE", "V_CACHE")}
     pointers |= {"COS": "*fp32", "SIN": "*fp32", "POS": "*i64", "SLOTS": "*i64"}
-    for has_cache in (True, False):
+    for has_cache, block_h in ((True, 1), (True, 8), (False, 8)):  # decode: a head per program; prefill: 8
         compile_for_hopper(qk_norm_rope._qk_norm_rope_kernel, pointers,
-                           dict(N_HEADS=16, N_KV=8, HD=128, BLOCK_HALF=64, HAS_CACHE=has_cache), floats=("eps",))
+                           dict(N_HEADS=16, N_KV=8, HD=128, BLOCK_HALF=64, BLOCK_H=block_h, HAS_CACHE=has_cache,
+                                PDL=True), floats=("eps",))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -73,9 +74,9 @@ def test_decode_attention_kernels_compile(dtype):
     for paged in (False, True):  # rows of one cache tensor, or blocks of a paged cache
         compile_for_hopper(decode_attention._split_kernel, pointers,
                            dict(PAGED=paged, PAGE=16, N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=32,
-                                BLOCK_N=64, FP32=dtype == "fp32"), floats=("scale",))
+                                BLOCK_N=64, FP32=dtype == "fp32", PDL=True), floats=("scale",))
     compile_for_hopper(decode_attention._merge_kernel, pointers, dict(SPLITS=32, BLOCK_SPLITS=32, HD=128,
-                                                                      BLOCK_HD=128))
+                                                                      BLOCK_HD=128, PDL=True))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -88,7 +89,8 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
     variants = ((True, False, False), (False, False, False), (False, True, True), (False, True, False))
     for gated, norm, residual in variants:
         compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not gated, GATED=gated, NORM=norm,
-                                                              HAS_RESIDUAL=residual, BLOCK_N=8, BLOCK_K=512),
+                                                              HAS_RESIDUAL=residual, BLOCK_N=8, BLOCK_K=512,
+                                                              PDL=True),
                            floats=("eps",))
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
 
@@ -106,9 +108,10 @@ def test_fused_moe_kernels_compile(dtype):
     compile_for_hopper(fused_moe._gate_up_kernel, pointers, dict(TOP_K=8, **blocks))
     compile_for_hopper(fused_moe._down_kernel, pointers, blocks)
     compile_for_hopper(fused_moe._combine_kernel, pointers, dict(TOP_K=8, K_POW2=8, BLOCK_D=1024))
-    compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512))
-    compile_for_hopper(fused_moe._down_pair_kernel, pointers, dict(BLOCK_N=8, BLOCK_K=256))
+    compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True))
+    compile_for_hopper(fused_moe._down_combine_pair_kernel, pointers,
+                       dict(TOP_K=8, K_POW2=8, BLOCK_N=8, BLOCK_K=128, PDL=True))
     from ops import moe_route
 
     route = {"LOGITS": f"*{dtype}", "WEIGHTS": f"*{dtype}", "IDS": "*i64"}
-    compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True))
+    compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True, PDL=True))
