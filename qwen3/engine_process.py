@@ -24,7 +24,7 @@ import multiprocessing
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -97,7 +97,9 @@ def serve_engine(conn, spec: EngineSpec) -> None:
 
     def collect(client_id: int) -> Callable[[Output], None]:
         def on_output(out: Output) -> None:
-            outputs.append((client_id, *astuple(out)))
+            # A flat tuple per output (dataclasses.astuple deep-copies: ~10x slower, for 256 rows a step)
+            outputs.append((client_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
+                            out.completion_tokens))
             if out.finish_reason is not None:
                 seq_ids.pop(client_id, None)
         return on_output
