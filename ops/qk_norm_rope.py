@@ -24,10 +24,11 @@ __all__ = ["qk_norm_rope"]
 
 
 def heads_per_program(n_tokens: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps): a decode step's few tokens take a program per head, so that even one
-    token spreads over many SMs; prefill takes 8 heads (2 KiB of bf16) per program, as the norm
-    kernels pack short rows: a 128-value head alone is too little work for a program."""
-    return (1, 1) if n_tokens < 64 else (8, 2)
+    """(BLOCK_H, num_warps): a decode step's tokens (one per batch row, up to 256) take a program
+    per head, so that even one token spreads over many SMs; longer inputs (prefill) take 8 heads
+    (2 KiB of bf16) per program, as the norm kernels pack short rows: a 128-value head alone is
+    too little work for a program."""
+    return (1, 1) if n_tokens <= 256 else (8, 2)
 
 
 @triton.jit

@@ -33,7 +33,7 @@ def randn(*shape, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2, 32), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
-@pytest.mark.parametrize("N", [7, 70], ids=["decode", "prefill"])  # a program per head; 8 heads per program
+@pytest.mark.parametrize("N", [7, 300], ids=["decode", "prefill"])  # a program per head; 8 heads per program
 def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads, N):
     H, K, hd = heads
     cfg = hf_config(num_attention_heads=H, num_key_value_heads=K, head_dim=hd, rope_theta=1_000_000.0)
