@@ -15,12 +15,17 @@ The pipe carries pickled tuples, one message per engine step for all of that ste
     to the engine:   ("add", id, Request) | ("cancel", id) | ("stats", token) | ("stop",)
     from the engine: ("ready", info) | ("error", message) | ("outputs", [(id, *Output fields), ...])
                      | ("stats", token, {...})
-Every send on this side happens under a lock (a Connection is not thread-safe).
+On this side one writer thread sends, in order, what the event loop queues: the loop never blocks
+on a pipe that is full while the engine is in a long step. The engine process ignores Ctrl-C
+(the terminal sends it to the whole process group): the server ends it with "stop", or it ends
+when the pipe closes.
 """
 
 import asyncio
 import itertools
 import multiprocessing
+import queue
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -85,10 +90,14 @@ def stats(engine: Engine) -> dict:
 
 def serve_engine(conn, spec: EngineSpec) -> None:
     """The engine process: build the engine, then alternate between the pipe's messages and steps."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = build_engine(spec)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError) as err:  # a bad checkpoint: the loader's message says which
         conn.send(("error", str(err)))
+        return
+    except Exception as err:  # out of memory, a driver error...: one line still, with the error's kind
+        conn.send(("error", f"{type(err).__name__}: {err}"))
         return
     conn.send(("ready", {"limits": engine.limits, "generation_config": getattr(engine.model, "generation_config",
                                                                                    {}) or {}}))
@@ -116,7 +125,7 @@ def serve_engine(conn, spec: EngineSpec) -> None:
                         _, client_id, request = message
                         try:
                             seq_ids[client_id] = engine.add(request, collect(client_id)).id
-                        except ValueError:  # checked by the server first: only a mismatch lands here
+                        except Exception:  # checked by the server first: a bug lands here, not a user's error
                             traceback.print_exc()
                             collect(client_id)(Output("", [], "error", len(request.prompt_ids), 0))
                     elif message[0] == "cancel":
@@ -164,13 +173,19 @@ class EngineProcess:
         self.limits: Limits = info["limits"]
         self.generation_config = info["generation_config"]
         self.max_len = self.limits.max_len
-        self._send_lock = threading.Lock()
         self._callbacks: dict[int, Callable[[Output], None]] = {}
         self._ids = itertools.count()
         self._tokens = itertools.count()
         self._stats: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer thread; None ends it
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
         self._alive = True
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._process.pid
 
     def check(self, request: Request) -> None:
         check_request(request, self.limits)
@@ -178,13 +193,16 @@ class EngineProcess:
     def submit(self, request: Request, on_output: Callable[[Output], None]) -> int:
         """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
         check_request(request, self.limits)
-        if not self._alive:
-            raise RuntimeError("the engine process has exited: see the server's log")
         if len(self._callbacks) >= self.max_batch + self.max_waiting:
             raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
                             "try again later")
         seq_id = next(self._ids)
         self._callbacks[seq_id] = on_output
+        # Checked after registering: the reader marks the engine dead before it ends the open
+        # requests, so a request registered too late for that sees the mark here.
+        if not self._alive:
+            self._callbacks.pop(seq_id, None)
+            raise RuntimeError("the engine process has exited: see the server's log")
         self._send(("add", seq_id, request))
         return seq_id
 
@@ -199,30 +217,42 @@ class EngineProcess:
         future = loop.create_future()
         self._stats[token] = (loop, future)
         try:
+            if not self._alive:
+                raise RuntimeError("the engine process has exited: see the server's log")
             self._send(("stats", token))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._stats.pop(token, None)
 
     def start(self) -> None:
+        """Start the threads that send to the engine and receive its outputs."""
         self._reader = threading.Thread(target=self._receive, name="qwen3-engine-outputs", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="qwen3-engine-requests", daemon=True)
         self._reader.start()
+        self._writer.start()
 
     def stop(self) -> None:
-        if self._alive:
-            try:
-                self._send(("stop",))
-            except OSError:
-                pass
+        self._send(("stop",))
+        self._outgoing.put(None)
+        if self._writer is None:  # never started: nothing sends the stop
+            self._conn.send(("stop",))
         self._process.join(timeout=30)
         if self._process.is_alive():
             self._process.kill()
-        if self._reader is not None:
-            self._reader.join(timeout=5)
+        for thread in (self._writer, self._reader):
+            if thread is not None:
+                thread.join(timeout=5)
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        self._outgoing.put(message)
+
+    def _write(self) -> None:
+        """The writer thread: send what is queued, in order, until None or a closed pipe."""
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the engine process is gone: the reader ends the requests
+                return
 
     def _receive(self) -> None:
         """The reader thread: hand each output to its request's callback, each stats reply to its waiter."""
@@ -242,13 +272,25 @@ class EngineProcess:
             elif message[0] == "stats":
                 loop, future = self._stats.get(message[1], (None, None))
                 if future is not None:
-                    loop.call_soon_threadsafe(lambda f=future, r=message[2]: f.done() or f.set_result(r))
+                    self._resolve(loop, future, lambda f=future, r=message[2]: f.done() or f.set_result(r))
         self._alive = False
         for client_id in list(self._callbacks):  # end every stream still open
-            self._deliver(self._callbacks.pop(client_id), Output("", [], "error", 0, 0))
+            self._deliver(self._callbacks.pop(client_id, None), Output("", [], "error", 0, 0))
+        gone = RuntimeError("the engine process has exited: see the server's log")
+        for loop, future in list(self._stats.values()):  # and every /health waiting for an answer
+            self._resolve(loop, future, lambda f=future: f.done() or f.set_exception(gone))
 
     @staticmethod
-    def _deliver(callback: Callable[[Output], None], out: Output) -> None:
+    def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, settle: Callable[[], object]) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed (shutdown): nobody waits any more
+            pass
+
+    @staticmethod
+    def _deliver(callback: Callable[[Output], None] | None, out: Output) -> None:
+        if callback is None:
+            return
         try:
             callback(out)
         except Exception:  # one client's callback must not stop the others'

@@ -342,8 +342,8 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
         try:
             engine.start()
             yield
-            engine.stop()
         finally:
+            engine.stop()
             sys.setswitchinterval(interval)
 
     app = FastAPI(title="qwen3-from-scratch", lifespan=lifespan)

@@ -34,6 +34,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "weights" / "qwen3-stdlib-tiny"
+CLIENT_START_S = 5.0  # with --client-processes: the clients start this long after the level begins
 sys.path.insert(0, str(ROOT))
 
 
@@ -124,9 +125,10 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: lis
 
 
 async def clients(url: str, model: str, concurrency: int, prompts: list[list[int]], output: int,
-                  timeout: float) -> tuple[list[dict], float, float]:
+                  timeout: float, start_at: float) -> tuple[list[dict], float, float]:
     """(one result per prompt, start, end) of `concurrency` clients taking the prompts one after
-    another; start and end are wall-clock times (time.time()), comparable across processes."""
+    another from wall-clock time start_at on (time.time(): comparable across processes)."""
+    await asyncio.sleep(max(0.0, start_at - time.time()))  # every process starts together
     todo = list(range(len(prompts)))
     results: list[dict] = []
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
@@ -156,8 +158,9 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
                for _ in range(n)]
     procs = max(1, min(args.client_processes, concurrency))
+    start_at = time.time() + (CLIENT_START_S if procs > 1 else 0.0)  # after the processes' imports
     jobs = [(url, model, concurrency // procs + (i < concurrency % procs), prompts[i::procs], args.output,
-             args.timeout) for i in range(procs)]
+             args.timeout, start_at) for i in range(procs)]
     if procs == 1:
         parts = [client_process(jobs[0])]
     else:
@@ -177,7 +180,7 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
     return {"concurrency": concurrency, "prompt_tokens": f"{args.prompt_min}-{args.prompt_max}",
             "prompt_tokens_mean": round(sum(map(len, prompts)) / n, 1), "output_tokens": args.output,
             "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "ttft_ms_p50": pct(0.5),
-            "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed)}
+            "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed), "client_processes": procs}
 
 
 def versions() -> dict:
@@ -241,7 +244,7 @@ def main(argv=None) -> None:
         level(url, model, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng, vocab)  # warm-up
         results = []
         for c in args.concurrency:
-            r = {"model": name, **level(url, model, c, args, rng, vocab), "client_processes": args.client_processes}
+            r = {"model": name, **level(url, model, c, args, rng, vocab)}
             print(json.dumps(r), flush=True)
             results.append(r)
     finally:
