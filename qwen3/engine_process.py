@@ -7,9 +7,9 @@
 
 Why a process: an HTTP server streaming to hundreds of clients spends a core on parsing, JSON
 and server-sent events. In one process its event loop and the engine loop share one GIL, and
-each waits for the other (on the H200, at 256 streams, the server process sat at 100% of a core
-and delivered about half of what the engine alone generates). In a process of its own the engine
-steps at its own pace, as vLLM's engine core does. Detokenization and stop strings run there too.
+each waits for the other; in a process of its own the engine steps at its own pace, as vLLM's
+engine core does (docs/benchmarks/serve-notes.md has the measurements). Detokenization and stop
+strings run there too.
 
 The pipe carries pickled tuples, one message per engine step for all of that step's outputs:
     to the engine:   ("add", id, Request) | ("cancel", id) | ("stats", token) | ("stop",)
@@ -106,7 +106,7 @@ def serve_engine(conn, spec: EngineSpec) -> None:
 
     def collect(client_id: int) -> Callable[[Output], None]:
         def on_output(out: Output) -> None:
-            # A flat tuple per output (dataclasses.astuple deep-copies: ~10x slower, for 256 rows a step)
+            # A flat tuple per output, built by hand: dataclasses.astuple deep-copies every field
             outputs.append((client_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
                             out.completion_tokens))
             if out.finish_reason is not None:
