@@ -152,6 +152,18 @@ def _down_kernel(H, W2, TOPK_WEIGHTS, Y, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW
 
 
 @triton.jit
+def _sum_in_id_order(y, ids, TOP_K: tl.constexpr, BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """One token's k weighted expert rows y [K_POW2, BLOCK] (fp32 holding dtype values) added to
+    zero in increasing expert id, each sum rounded to dtype: transformers' index_add_ loop over
+    the experts. ids [K_POW2]: the rows' experts, lanes past TOP_K above every id (never added)."""
+    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [K_POW2] place of each row in id order
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(TOP_K):
+        acc = round_to(acc + tl.sum(tl.where(rank[:, None] == r, y, 0.0), axis=0), dtype).to(tl.float32)
+    return acc.to(dtype)
+
+
+@triton.jit
 def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa: E741
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """H[pair, cols] = silu(x_n @ gate_e^T) * (x_n @ up_e^T) for pair = n * TOP_K + j, e = its expert;
@@ -209,12 +221,8 @@ def _down_combine_pair_kernel(H, W2, TOPK_WEIGHTS, TOPK_IDS, OUT, D, I, TOP_K: t
     dtype = OUT.dtype.element_ty
     weight = tl.load(TOPK_WEIGHTS + pair, mask=j_ok, other=0.0).to(tl.float32)
     y = round_to(round_to(acc, dtype).to(tl.float32) * weight[:, None], dtype).to(tl.float32)
-    order_ids = tl.where(j_ok, ids, 2**30)
-    rank = tl.sum((order_ids[None, :] < order_ids[:, None]).to(tl.int32), axis=1)  # [K_POW2] place in id order
-    out = tl.zeros([BLOCK_N], tl.float32)
-    for r in tl.static_range(TOP_K):
-        out = round_to(out + tl.sum(tl.where(rank[:, None] == r, y, 0.0), axis=0), dtype).to(tl.float32)
-    tl.store(OUT + n * D + cols, out.to(dtype), mask=col_ok)
+    out = _sum_in_id_order(y, tl.where(j_ok, ids, 2**30), TOP_K, BLOCK_N, dtype)
+    tl.store(OUT + n * D + cols, out, mask=col_ok)
 
 
 @triton.jit
@@ -226,13 +234,9 @@ def _combine_kernel(Y, TOPK_IDS, OUT, D, TOP_K: tl.constexpr, K_POW2: tl.constex
     j = tl.arange(0, K_POW2)
     j_ok = j < TOP_K
     ids = tl.load(TOPK_IDS + n * TOP_K + j, mask=j_ok, other=2**30)
-    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [K_POW2] place of each j in id order
     y = tl.load(Y + (n * TOP_K + j[:, None]) * D + cols[None, :], mask=j_ok[:, None] & col_ok[None, :], other=0.0)
     dtype = OUT.dtype.element_ty
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for r in tl.static_range(TOP_K):
-        acc = round_to(acc + tl.sum(tl.where(rank[:, None] == r, y.to(tl.float32), 0.0), axis=0), dtype).to(tl.float32)
-    tl.store(OUT + n * D + cols, acc.to(dtype), mask=col_ok)
+    tl.store(OUT + n * D + cols, _sum_in_id_order(y.to(tl.float32), ids, TOP_K, BLOCK_D, dtype), mask=col_ok)
 
 
 @torch.library.custom_op("qwen3_ops::fused_moe", mutates_args=())

@@ -52,9 +52,10 @@ def _moe_route_op(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tup
     weights = logits.new_empty(N, top_k)
     ids = torch.empty(N, top_k, dtype=torch.long, device=logits.device)
     if N:
+        pdl = use_pdl(logits.device)
         _route_kernel[(N,)](logits, weights, ids, E, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
-                            BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, PDL=use_pdl(logits.device),
-                            num_warps=4, launch_pdl=use_pdl(logits.device))
+                            BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob, PDL=pdl, num_warps=4,
+                            launch_pdl=pdl)
     return weights, ids
 
 

@@ -22,9 +22,10 @@ the bucket's size, padding rows writing to the scratch slot), captured once at s
 first, in one memory pool, as nano-vllm does. The CPU runs it eagerly; the tests (CPU only)
 exercise the eager path, the graphed one runs on a GPU only.
 
-The engine owns the model and runs in one background thread (`start`); `submit` and `cancel`
-are safe to call from any thread, and outputs reach each request through its `on_output`
-callback, called on the engine's thread.
+The engine owns the model; whoever calls `step` drives it (the server's engine process,
+qwen3/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
+thread (they queue for the next step), and outputs reach each request through its `on_output`
+callback, called during `step`.
 """
 
 import itertools
@@ -240,11 +241,8 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) | ("cancel", id)
-        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._in_flight = 0  # submitted and not finished: the queue bound counts these
-        self._thread: threading.Thread | None = None
-        self._stopping = False
         self.preemptions = 0
         self.peak_running = 0  # the largest batch decoded so far
 
@@ -278,41 +276,16 @@ class Engine:
                 self._in_flight -= 1
             raise
         self._inbox.put(("add", seq))
-        self._wake.set()
         return seq.id
 
     def cancel(self, seq_id: int) -> None:
         """Stop a request (a client went away): its blocks are freed at the engine's next step."""
         self._inbox.put(("cancel", seq_id))
-        self._wake.set()
 
-    def start(self) -> None:
-        """Run steps in a background thread while there is work; sleep until there is."""
-        self._thread = threading.Thread(target=self._loop, name="qwen3-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            if not self.has_work():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                self.step()
-            except Exception:  # a bug must not hang every client: end what was in flight, keep serving
-                traceback.print_exc()
-                self.abort_all()
-
-    # ---- the engine's thread ----------------------------------------------------------------
+    # ---- the thread that steps ----------------------------------------------------------------
 
     def add(self, request: Request, on_output: Callable[[Output], None] | None = None) -> Sequence:
-        """Queue a request from the engine's own thread (tests drive `step` by hand)."""
+        """Queue a request from the thread that steps the engine."""
         self.check(request)
         with self._lock:
             self._in_flight += 1
@@ -344,8 +317,8 @@ class Engine:
             self.step()
 
     def _new_sequence(self, request: Request, on_output) -> Sequence:
-        """A sequence of host-side state only: any thread may make one (submit runs on the server's
-        event loop); its device state is made on the engine's thread, in _enqueue."""
+        """A sequence of host-side state only: any thread may make one (in submit); its device
+        state is made on the thread that steps the engine, in _enqueue."""
         return Sequence(
             id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
             eos=set(request.eos_ids) if request.eos_ids is not None else self.eos, generator=None, seen=None,

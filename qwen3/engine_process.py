@@ -37,6 +37,7 @@ import torch
 from .engine import PREFILL_TOKENS, Engine, Limits, Output, QueueFull, Request, check_request
 
 START_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing the CUDA graphs takes a while
+EXITED = "the engine process has exited: see the server's log"
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class EngineProcess:
         # requests, so a request registered too late for that sees the mark here.
         if not self._alive:
             self._callbacks.pop(seq_id, None)
-            raise RuntimeError("the engine process has exited: see the server's log")
+            raise RuntimeError(EXITED)
         self._send(("add", seq_id, request))
         return seq_id
 
@@ -218,7 +219,7 @@ class EngineProcess:
         self._stats[token] = (loop, future)
         try:
             if not self._alive:
-                raise RuntimeError("the engine process has exited: see the server's log")
+                raise RuntimeError(EXITED)
             self._send(("stats", token))
             return await asyncio.wait_for(future, timeout_s)
         finally:
@@ -276,7 +277,7 @@ class EngineProcess:
         self._alive = False
         for client_id in list(self._callbacks):  # end every stream still open
             self._deliver(self._callbacks.pop(client_id, None), Output("", [], "error", 0, 0))
-        gone = RuntimeError("the engine process has exited: see the server's log")
+        gone = RuntimeError(EXITED)
         for loop, future in list(self._stats.values()):  # and every /health waiting for an answer
             self._resolve(loop, future, lambda f=future: f.done() or f.set_exception(gone))
 

@@ -69,14 +69,15 @@ class OpenAIError(Exception):
 
 
 class Outputs:
-    """One request's outputs, appended on the engine's thread, taken on the event loop."""
+    """One request's outputs, appended on the thread that receives the engine's outputs, taken on
+    the event loop."""
 
     def __init__(self, outbox: "Outbox"):
         self.outbox = outbox
         self.items: deque[Output] = deque()
         self.ready = asyncio.Event()
 
-    def put(self, out: Output) -> None:  # the engine's thread
+    def put(self, out: Output) -> None:  # the receiving thread
         self.items.append(out)
         self.outbox.notify(self)
 
@@ -97,7 +98,7 @@ class Outputs:
 class Outbox:
     """Wakes the event loop for requests with new outputs: one call_soon_threadsafe (a write to
     the loop's wake-up pipe) per burst of outputs, whichever requests they belong to, instead of
-    one per token. A burst is what the engine thread hands out before the loop runs `deliver`."""
+    one per token. A burst is what the receiving thread hands out before the loop runs `deliver`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -105,7 +106,7 @@ class Outbox:
         self.scheduled = False
         self.lock = threading.Lock()  # the list and the flag change on two threads
 
-    def notify(self, outputs: Outputs) -> None:  # the engine's thread
+    def notify(self, outputs: Outputs) -> None:  # the receiving thread
         with self.lock:
             self.dirty.append(outputs)
             schedule, self.scheduled = not self.scheduled, True
