@@ -44,10 +44,13 @@ from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_strea
 from .sampling import SamplingParams, next_token
 from .text import TextStream
 
-# Prompts admitted in the same step are prefilled together, right-padded to the longest, up to
-# this many tokens (padding included) per forward by default: one forward of a few thousand
-# tokens keeps the GPU busy where a short prompt alone would leave it waiting on kernel launches.
-PREFILL_TOKENS = 8192
+# Prompt tokens prefilled per engine step by default (a longer prompt alone): the running
+# sequences wait for the step's prefills, and the prompts of a burst get their first tokens a
+# step's worth at a time, shortest first, instead of all at the end of one long prefill.
+PREFILL_TOKENS = 2048
+# On CUDA, prompts of up to this many tokens are prefilled from a CUDA graph each (one eager
+# forward of a short prompt is ~17 ms of kernel launches from Python for ~1 ms of GPU work).
+PREFILL_GRAPH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,66 @@ class PagedDecodeStep:
         return logits[:B]
 
 
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Prompt lengths with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and
+    1.5 times them: a prompt is padded by less than half), up to max_tokens."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes += [n, n * 3 // 2]
+        n *= 2
+    return [b for b in sizes if b < max_tokens] + [max_tokens]
+
+
+class PagedPrefillStep:
+    """A prompt's first forward, one sequence from position 0: its token ids -> the logits [1, V]
+    of its last token. On CUDA, a prompt of up to PREFILL_GRAPH_TOKENS tokens is replayed from
+    the graph of the smallest bucket that holds it (right-padded, the padding written to the
+    scratch slot); longer prompts, and every prompt on the CPU, are not `fits` and run eagerly."""
+
+    def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool):
+        self.model, self.cache = model, cache
+        self.buckets = prefill_buckets(min(PREFILL_GRAPH_TOKENS, model.config.max_position_embeddings)) if graph else []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if graph:
+            device, T = model.lm_head.weight.device, self.buckets[-1]
+            self.ids = torch.zeros(1, T, dtype=torch.long, device=device)
+            self.positions = torch.arange(T, device=device)[None]
+            self.valid = torch.zeros(1, T, dtype=torch.bool, device=device)
+            self.block_table = torch.zeros(1, table_width, dtype=torch.long, device=device)
+            self.capture_all()
+
+    def fits(self, n_tokens: int) -> bool:
+        return bool(self.buckets) and n_tokens <= self.buckets[-1]
+
+    def _forward(self, T: int) -> torch.Tensor:
+        return self.model(self.ids[:, :T], self.positions[:, :T], cache=self.cache, attention_mask=self.valid[:, :T],
+                          last_only=True, block_table=self.block_table, from_start=True)[:, -1]
+
+    def capture_all(self) -> None:
+        """Capture every bucket's forward, largest first, in one memory pool; every token is
+        padding while capturing, so warm-up writes land in the scratch slot."""
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.ids.device), torch.inference_mode():
+            for T in reversed(self.buckets):
+                warm_up_on_a_side_stream(lambda T=T: self._forward(T))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(T)
+                self.graphs[T] = (graph, logits)
+
+    def __call__(self, ids: list[int], block_table: torch.Tensor) -> torch.Tensor:
+        """Logits [1, V] of ids' last token, its keys and values written through block_table [1, M]."""
+        n = len(ids)
+        T = next(b for b in self.buckets if b >= n)
+        self.ids[0, :n].copy_(torch.tensor(ids))
+        self.valid[0, :n] = True
+        self.valid[0, n:T] = False
+        self.block_table[:, : block_table.shape[1]].copy_(block_table)  # columns past it: padding's only
+        graph, logits = self.graphs[T]
+        graph.replay()
+        return logits
+
+
 class Engine:
     """Continuous batching over a PagedKVCache (see the module docstring).
 
@@ -205,8 +268,9 @@ class Engine:
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps from CUDA graphs (default: on CUDA).
-    prefill_tokens: prompts admitted together are prefilled in forwards of at most this many
-        tokens, padding included (a longer prompt alone).
+    prefill_tokens: prompt tokens admitted and prefilled per step at most (a longer prompt
+        alone); prompts run shortest first, each from its own CUDA graph where one holds it, else
+        together in right-padded forwards of at most this many tokens, padding included.
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
@@ -235,6 +299,7 @@ class Engine:
         self.eos = eos
         cuda_graph = resolve_cuda_graph(cuda_graph, self.device)
         self.decode = PagedDecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
+        self.prefill = PagedPrefillStep(model, self.cache, self.table_width, cuda_graph)
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -347,13 +412,15 @@ class Engine:
                 self._finish(self.sequences[item], "cancelled")
 
     def _admit(self) -> None:
-        """Prefill waiting sequences, oldest first, while the batch has room and the cache has
-        blocks for them (keeping one per running sequence for its next token)."""
-        admitted = []
+        """Prefill waiting sequences, oldest first, while the batch has room, the cache has blocks
+        for them (keeping one per running sequence for its next token) and the step's
+        prefill_tokens last (the first one always fits)."""
+        admitted, tokens = [], 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             need = self.cache.blocks_for(len(seq.ids))
-            if self.cache.num_free - need < len(self.running):
+            over_budget = admitted and tokens + len(seq.ids) > self.prefill_tokens
+            if over_budget or self.cache.num_free - need < len(self.running):
                 break
             self.waiting.popleft()
             seq.blocks = self.cache.allocate(need)
@@ -361,31 +428,38 @@ class Engine:
             self.block_rows[seq.row, :need] = torch.tensor(seq.blocks)
             self.running.append(seq)
             admitted.append(seq)
-        group: list[Sequence] = []
-        # Shortest first, in groups of at most prefill_tokens padded tokens: rows of like length
-        # waste little on padding, and the short prompts get their first token soonest.
+            tokens += len(seq.ids)
+        # Shortest first: the short prompts get their first token soonest. A prompt that a graph
+        # holds runs alone; the others in right-padded groups of at most prefill_tokens tokens.
+        groups: list[list[Sequence]] = []
         for seq in sorted(admitted, key=lambda s: len(s.ids)):
-            if group and (len(group) + 1) * max(len(seq.ids), *(len(s.ids) for s in group)) > self.prefill_tokens:
-                self._prefill(group)
-                group = []
-            group.append(seq)
-        if group:
+            last = groups[-1] if groups else None
+            if (last is None or self.prefill.fits(len(seq.ids)) or self.prefill.fits(len(last[0].ids))
+                    or (len(last) + 1) * len(seq.ids) > self.prefill_tokens):
+                groups.append([seq])
+            else:
+                last.append(seq)
+        for group in groups:
             self._prefill(group)
 
     def _prefill(self, group: list[Sequence]) -> None:
-        """Each sequence's tokens (a preempted one's generated tokens too) in one forward, the rows
-        right-padded to the longest; the logits of each row's last token give its next token."""
+        """Each sequence's tokens (a preempted one's generated tokens too) from position 0: one
+        sequence from its graph, or the rows in one forward, right-padded to the longest; the
+        logits of each row's last token give its next token."""
         lengths = [len(s.ids) for s in group]
-        T = max(lengths)
-        ids = torch.tensor([s.ids + [0] * (T - len(s.ids)) for s in group], device=self.device)
-        positions = torch.arange(T, device=self.device).expand(len(group), T)
-        valid = None
-        if min(lengths) < T:
-            valid = torch.arange(T) < torch.tensor(lengths)[:, None]
         width = max(len(s.blocks) for s in group)
         table = self.block_rows[torch.tensor([s.row for s in group]), :width].to(self.device)
-        logits = self.model(ids, positions, cache=self.cache, attention_mask=valid, last_only=True,
-                            block_table=table)[:, -1]
+        if len(group) == 1 and self.prefill.fits(lengths[0]):
+            logits = self.prefill(group[0].ids, table)
+        else:
+            T = max(lengths)
+            ids = torch.tensor([s.ids + [0] * (T - len(s.ids)) for s in group], device=self.device)
+            positions = torch.arange(T, device=self.device).expand(len(group), T)
+            valid = None
+            if min(lengths) < T:
+                valid = torch.arange(T) < torch.tensor(lengths)[:, None]
+            logits = self.model(ids, positions, cache=self.cache, attention_mask=valid, last_only=True,
+                                block_table=table)[:, -1]
         for seq, n in zip(group, lengths):
             seq.cached = n
         for seq, token in zip(group, self._sample(logits, group)):

@@ -215,12 +215,14 @@ def prepare_batch(
     cache: KVCache | PagedKVCache | None = None,
     valid: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    from_start: bool = False,
 ) -> ForwardBatch:
     """The ForwardBatch of tokens at `positions` [B, T]; valid [B, T] bool marks real tokens
     (None: all); block_table [B, M] names each row's blocks of a PagedKVCache (a KVCache: None).
+    from_start: the caller's word that every row starts at position 0 and is right-padded.
     Attention covers, for each token, its row's tokens at positions <= its own:
     - no cache, or a cache whose rows all start at position 0: the new tokens, causal, padding
-      masked (the first prefill);
+      masked (the first prefill; a right-padded batch needs no mask);
     - one token per row on the fused path: the Triton decode kernel over each row's first
       position + 1 slots (no mask, no host sync: a CUDA graph replays it);
     - otherwise: cache slots [0, n_keys) through a mask. n_keys is the largest position + 1, or
@@ -240,13 +242,13 @@ def prepare_batch(
     static = static_shapes(device)
     if cache is not None and T == 1 and fused:
         return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1, block_table)
-    if cache is None or (not static and int(positions[:, 0].max()) == 0):
+    if from_start or cache is None or (not static and int(positions[:, 0].max()) == 0):
         mask = None
         # Right padding only (each row's tokens first, as the serving engine batches prompts): the
         # causal rule alone keeps every real token from the padding after it, and SDPA's fused
         # kernels run without a mask (with one, a batch of long prompts took several times longer).
-        right_padded = valid is not None and not static and torch.equal(
-            valid, torch.arange(T, device=device) < valid.sum(1, keepdim=True))
+        right_padded = from_start or (valid is not None and not static and torch.equal(
+            valid, torch.arange(T, device=device) < valid.sum(1, keepdim=True)))
         if valid is not None and not right_padded:  # causal, padding keys hidden; each token sees itself (no NaN)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
             mask = ((causal & valid[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device))[:, None]
@@ -438,12 +440,16 @@ class Qwen3ForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T] 1 = token, 0 = padding
         last_only: bool = False,  # logits of each row's last real token only (what decoding needs)
         block_table: torch.Tensor | None = None,  # [B, M] long: with a PagedKVCache, each row's blocks
+        from_start: bool = False,  # every row starts at position 0 and is right-padded (see below)
     ) -> torch.Tensor:
         """Logits [B, T, V] (with last_only [B, 1, V]). With a cache, `positions` are required: each
         token's keys and values are written to its row's slot `position`, and it attends to its
         row's slots up to its own position (earlier steps wrote the ones before). Padding tokens
         are written to a scratch slot and attended by no one but themselves. With a PagedKVCache,
-        row b's slot for position p is block_table[b, p // block_size] * block_size + p % block_size."""
+        row b's slot for position p is block_table[b, p // block_size] * block_size + p % block_size.
+        from_start is the caller's word that each row's tokens start at position 0 and any padding
+        follows them (a prompt's first forward): the forward then reads neither positions nor the
+        mask back to the host to find that out, so a CUDA graph can capture it."""
         check_input_ids(input_ids)
         B, T = input_ids.shape
         if isinstance(cache, PagedKVCache) != (block_table is not None):
@@ -476,7 +482,7 @@ class Qwen3ForCausalLM(nn.Module):
         impl = resolve_impl(self.config.norm_impl, device)
         fused = impl == "triton" and not torch.is_grad_enabled()
         dtype = self.model.embed_tokens.weight.dtype
-        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table)
+        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, from_start)
         keep = None
         if last_only and T > 1:  # each row's last real token: the last column, or before right padding
             keep = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)

@@ -41,13 +41,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "context sequences use; CPU: 2048 tokens per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
-                   help="prompts admitted together are prefilled in forwards of at most this many tokens, "
-                        f"padding included (default: {PREFILL_TOKENS})")
+                   help="prompt tokens admitted and prefilled per engine step at most, a longer prompt alone "
+                        f"(default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps from CUDA graphs, one per batch-size bucket (default: on CUDA)")
+                   help="replay decode steps from CUDA graphs, one per batch-size bucket, and prompts of up to "
+                        "2048 tokens from one per length bucket (default: on CUDA)")
     args = p.parse_args(argv)
     if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")

@@ -189,13 +189,15 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
         model.set_norm_impl("auto")
 
 
-@pytest.mark.parametrize("prefill_tokens, groups", [(1, [1] * 6), (24, [3, 2, 1]), (10_000, [6])],
+@pytest.mark.parametrize("prefill_tokens, steps", [(1, [[1]] * 6), (24, [[3, 1], [2]]), (10_000, [[6]])],
                          ids=["one-each", "groups", "all-together"])
-def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, groups):
-    """Six prompts of different lengths admitted in one step, prefilled one per forward, shortest
-    first in right-padded groups of at most 24 tokens ([2, 3, 4], [7, 9], [11]), or all in one forward:
-    each row's tokens equal model.generate's for its prompt alone (the torch path; right padding
-    needs no mask), the one whose max_tokens is 1 ending in the prefill beside the others."""
+def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, steps):
+    """Six prompts of different lengths, arriving together: each step admits prompts in arrival
+    order up to prefill_tokens tokens (7, 2, 11 and 4 fill 24; then 9 and 3) and prefills them
+    shortest first in right-padded forwards of at most prefill_tokens tokens ([2, 4, 7] then [11];
+    then [3, 9]), or one prompt per step, or all in one forward: each row's tokens equal
+    model.generate's for its prompt alone (the torch path; right padding needs no mask), the one
+    whose max_tokens is 1 ending in its prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
     requests = [Request(p, 1 if i == 1 else 4, GREEDY, eos_ids=())
                 for i, p in enumerate(prompts(lengths, model.config.vocab_size, seed=7))]
@@ -205,11 +207,15 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     prefill_rows = []  # rows of each forward of more than one token: the prefills
     hook = model.register_forward_pre_hook(
         lambda module, args: prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None)
+    per_step = []
     try:
-        engine.step()
+        while engine.waiting or not per_step:
+            engine.step()
+            per_step.append(prefill_rows[:])
+            prefill_rows.clear()
     finally:
         hook.remove()
-    assert prefill_rows == groups and len(engine.running) == 5  # the max_tokens=1 request ended in its prefill
+    assert per_step == steps
     engine.run()
     assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
@@ -331,10 +337,12 @@ def test_a_client_callback_that_raises_ends_only_its_own_request(model):
 
 
 def test_graph_buckets_and_the_cuda_graph_switch(model):
-    from qwen3.engine import batch_buckets
+    from qwen3.engine import batch_buckets, prefill_buckets
 
     assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert prefill_buckets(40) == [16, 24, 32, 40] and prefill_buckets(8) == [8]
+    assert prefill_buckets(2048) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
             Engine(model, cuda_graph=True)
@@ -342,16 +350,22 @@ def test_graph_buckets_and_the_cuda_graph_switch(model):
 
 @requires_cuda
 @pytest.mark.parametrize("norm_impl", ["triton", "torch"])
-def test_graphed_engine_equals_eager_engine(model, norm_impl):
-    """On the GPU: decode steps replayed from the per-bucket CUDA graphs (batches of 5, 4, 3...
-    padded to buckets 8 and 4) choose the tokens the eager engine chooses."""
+def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
+    """On the GPU: prompts of up to 32 tokens prefilled from their bucket's graph (5, 17, 2, 9 ->
+    16, 24, 16, 16; 30 -> 32) and a longer one eagerly (45); decode steps replayed from the
+    per-bucket CUDA graphs (batches of 6, 5, 4... padded to buckets 8 and 4): every token is the
+    one the eager engine chooses."""
+    import qwen3.engine
+
+    monkeypatch.setattr(qwen3.engine, "PREFILL_GRAPH_TOKENS", 32)
     requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
-                zip(prompts([5, 30, 17, 2, 9], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16])]
+                zip(prompts([5, 30, 17, 2, 9, 45], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16, 10])]
     model.set_norm_impl(norm_impl)
     try:
         results = []
         for graph in (True, False):
             engine = Engine(model, max_batch=8, n_blocks=64, block_size=16, cuda_graph=graph)
+            assert engine.prefill.fits(30) == graph and not engine.prefill.fits(45)
             outs = [collect(engine, r) for r in requests]
             engine.run(timeout_s=120)
             results.append([tokens(o) for o in outs])
