@@ -418,7 +418,7 @@ class Engine:
         request = seq.request
         if request.params.penalized:
             seq.seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
-            seq.seen[torch.tensor(request.prompt_ids, device=self.device)] = True
+            seq.seen[self._on_device(request.prompt_ids)] = True
         if request.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         self.sequences[seq.id] = seq
@@ -472,7 +472,7 @@ class Engine:
         logits of each row's last token give its next token."""
         lengths = [len(s.ids) for s in group]
         width = max(len(s.blocks) for s in group)
-        table = self.block_rows[torch.tensor([s.row for s in group]), :width].to(self.device)
+        table = self._on_device(self.block_rows[torch.tensor([s.row for s in group]), :width])
         if len(group) == 1 and self.prefill.fits(lengths[0]):
             logits = self.prefill(group[0].ids, table)
         else:
@@ -486,7 +486,7 @@ class Engine:
                                 block_table=table)[:, -1]
         for seq, n in zip(group, lengths):
             seq.cached = n
-        tokens = self._sample(logits, group)
+        tokens = self._sample(logits, group, self._on_device([s.row for s in group]))
         for seq, token in zip(group, tokens.tolist()):
             self._accept(seq, token)
 
@@ -521,13 +521,14 @@ class Engine:
             return None
         self.peak_running = max(self.peak_running, len(seqs))
         rows = torch.tensor([s.row for s in seqs])
-        ids = self.last_token[rows.to(self.device)][:, None]
-        positions = torch.tensor([[s.cached] for s in seqs], device=self.device)
+        device_rows = self._on_device(rows)
+        positions = self._on_device([[s.cached] for s in seqs])
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
-        logits = self.decode(ids, positions, self.block_rows[rows, :width].to(self.device))
+        logits = self.decode(self.last_token[device_rows][:, None], positions,
+                             self._on_device(self.block_rows[rows, :width]))
         for s in seqs:
             s.cached += 1
-        tokens = self._sample(logits, seqs)
+        tokens = self._sample(logits, seqs, device_rows)
         if tokens.device.type != "cuda":
             return LaunchedStep(seqs, tokens, None)
         ready = torch.cuda.Event()
@@ -544,10 +545,20 @@ class Engine:
             if s.finish_reason is None:
                 self._accept(s, token)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _on_device(self, data: torch.Tensor | list) -> torch.Tensor:
+        """Host data on the engine's device without waiting for the GPU: a copy from pageable
+        memory waits for the stream (it would hold the host until the step in flight is done);
+        one staged in pinned memory is queued behind it (torch keeps the staging buffer until
+        the copy has run)."""
+        if self.device.type != "cuda":
+            return torch.as_tensor(data, device=self.device)
+        return torch.as_tensor(data).pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], device_rows: torch.Tensor) -> torch.Tensor:
         """Each row's next token [B] on the device, chosen with its own parameters and generator
         (plain greedy rows share one argmax; the others are sampled one by one), written to the
-        rows' last_token and to the penalty state of the rows that keep one: no host sync."""
+        rows' last_token (device_rows: their engine rows) and to the penalty state of the rows
+        that keep one: no host sync."""
         tokens = logits.argmax(-1)  # (exact in any dtype: no float copy of [B, V])
         for row, s in enumerate(seqs):
             if not s.plain_greedy:
@@ -555,7 +566,7 @@ class Engine:
                 tokens[row] = next_token(logits[row : row + 1], seen, s.request.params, s.generator)[0]
             if s.seen is not None:
                 s.seen.index_fill_(0, tokens[row : row + 1], True)
-        self.last_token[torch.tensor([s.row for s in seqs], device=self.device)] = tokens
+        self.last_token[device_rows] = tokens
         return tokens
 
     def _accept(self, seq: Sequence, token: int) -> None:
