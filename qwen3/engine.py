@@ -3,21 +3,22 @@
 Requests join and leave the running batch between decode steps. Each engine step:
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
    blocks return to the cache at once;
-2. admits waiting requests while the batch has room and the cache has blocks for their prompt,
-   and prefills them, several prompts per forward (right-padded), which samples each one's
-   first token;
-3. launches one decode step over every running sequence (one token per row, rows of different
-   lengths, keys read through each row's block table), each row sampled on the device with its
-   own parameters, its token fed to the next step on the device; then, while that step runs,
-   reads the previous step's tokens back, applies their stops, hands new text to their
-   consumers and frees the blocks of the rows that finished.
+2. launches one decode step over the running sequences that have tokens left to make (one
+   token per row, rows of different lengths, keys read through each row's block table), each
+   row sampled on the device with its own parameters, its token fed to the next step on the
+   device;
+3. while that step runs, reads the previous step's tokens back, applies their stops, hands new
+   text to their consumers and frees the blocks of the rows that finished;
+4. admits waiting requests, oldest first, while the batch has room, the cache has blocks for
+   their prompt and the step's prefill_tokens last, and prefills them shortest first (on CUDA
+   each from the CUDA graph of its length bucket), which samples each one's first token.
 
 Steps are launched one ahead of reading their tokens, so that the host's work on a step's tokens
 overlaps the GPU's next step (the 0.6B's decode step at 256 rows is ~7 ms on the H200, the host's
 work on its tokens ~2 ms). A sequence that a stop token ends has one more step launched whose
-token is dropped; max_tokens is known in advance and never overshoots. Freed blocks can be
-handed out at once: every step runs on one CUDA stream, so a block's next owner writes it after
-the in-flight step that may still write it.
+token is dropped (and keeps its blocks until that is known); max_tokens is known in advance and
+never overshoots. Freed blocks can be handed out at once: every step runs on one CUDA stream, so
+a block's next owner writes it after the in-flight step that may still write it.
 
 A sequence gets a block when its next token starts one. When none is free, the sequence
 admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
@@ -27,8 +28,9 @@ running out of blocks makes requests wait, never corrupts or drops them.
 
 On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
 the bucket's size, padding rows writing to the scratch slot), captured once at start, largest
-first, in one memory pool, as nano-vllm does. The CPU runs it eagerly; the tests (CPU only)
-exercise the eager path, the graphed one runs on a GPU only.
+first, in one memory pool, as nano-vllm does; a prompt of up to PREFILL_GRAPH_TOKENS tokens is
+replayed from the graph of its length bucket the same way. The CPU runs both eagerly; the CPU
+tests exercise the eager paths, the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
 qwen3/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
@@ -219,7 +221,7 @@ class PagedDecodeStep:
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Prompt lengths with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and
-    1.5 times them: a prompt is padded by less than half), up to max_tokens."""
+    1.5 times them: a prompt of 16 tokens or more is padded by less than half), up to max_tokens."""
     sizes, n = [], 16
     while n < max_tokens:
         sizes += [n, n * 3 // 2]
@@ -268,7 +270,7 @@ class PagedPrefillStep:
         """Logits [1, V] of ids' last token, its keys and values written through block_table [1, M]."""
         n = len(ids)
         T = next(b for b in self.buckets if b >= n)
-        self.ids[0, :n].copy_(torch.tensor(ids))
+        self.ids[0, :n].copy_(torch.tensor(ids, pin_memory=True), non_blocking=True)  # queued behind the step in flight
         self.valid[0, :n] = True
         self.valid[0, n:T] = False
         self.block_table[:, : block_table.shape[1]].copy_(block_table)  # columns past it: padding's only
@@ -285,7 +287,7 @@ class Engine:
     max_batch: sequences decoded together at most.
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
-    cuda_graph: replay decode steps from CUDA graphs (default: on CUDA).
+    cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
     prefill_tokens: prompt tokens admitted and prefilled per step at most (a longer prompt
         alone); prompts run shortest first, each from its own CUDA graph where one holds it, else
         together in right-padded forwards of at most this many tokens, padding included.
@@ -491,12 +493,13 @@ class Engine:
             self._accept(seq, token)
 
     def _grow(self) -> None:
-        """Give every running sequence a block for the position its next token is written to,
-        preempting the sequences admitted last when none is free."""
+        """Give every running sequence that will be launched a block for the position its next
+        token is written to, preempting the sequences admitted last when none is free."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.cached // self.cache.block_size < len(seq.blocks):
+            done = seq.n_launched >= seq.request.max_tokens  # its last token is in flight
+            if done or seq.cached // self.cache.block_size < len(seq.blocks):
                 i += 1
                 continue
             block = self.cache.allocate(1)

@@ -240,6 +240,18 @@ def test_out_of_blocks_new_requests_wait_and_nothing_is_corrupted(model):
     assert engine.free_blocks == 7 and not engine.sequences
 
 
+def test_a_sequence_whose_last_token_is_in_flight_takes_no_block(model):
+    """Steps are launched one ahead of reading their tokens: a sequence whose last token is in
+    flight is not launched again, so it must not take a block (here the cache's last one, which
+    would preempt the other sequence) for a position nothing will be written to."""
+    engine = Engine(model, max_batch=2, n_blocks=3, block_size=4)
+    requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in zip(prompts([3, 4], model.config.vocab_size, 8), [2, 4])]
+    outputs = [collect(engine, r) for r in requests]
+    engine.run()
+    assert engine.preemptions == 0 and engine.free_blocks == 3
+    assert [tokens(o) for o in outputs] == [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
+
+
 def test_cancelling_frees_blocks_at_once_and_the_others_continue(model):
     engine = Engine(model, max_batch=4, n_blocks=32, block_size=4)
     a, b = prompts([6, 9], model.config.vocab_size, seed=7)
