@@ -152,6 +152,16 @@ def rope_frequencies(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def settle_cpu_trig() -> None:
+    """One-element cos and sin on the CPU. torch's CPU cos/sin call MKL's VML, which picks its
+    kernel on a function's first call; when that first call runs on several intra-op threads at
+    once, one thread can get a low-accuracy kernel for its share (pytorch/pytorch#188792: the RoPE
+    table's rows 256-511 off by 1.5e-4 in a few fresh processes). A single-threaded first call
+    settles the choice; after it, calls are exact and cheap."""
+    one = torch.ones(1)
+    one.cos(), one.sin()
+
+
 class RotaryEmbedding(nn.Module):
     """cos and sin of every position's angles, as fp32 tables [P, hd/2] made once per device on
     first use, exactly as transformers computes them: angle = position * inv_freq in fp32, then
@@ -166,6 +176,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
+            if device.type == "cpu":
+                settle_cpu_trig()
             positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             angles = positions[:, None] * self.inv_freq.to(device)[None, :]
             self._tables[device] = (angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling)
