@@ -14,8 +14,8 @@ Requests join and leave the running batch between decode steps. Each engine step
    each from the CUDA graph of its length bucket), which samples each one's first token.
 
 Steps are launched one ahead of reading their tokens, so that the host's work on a step's tokens
-overlaps the GPU's next step (the 0.6B's decode step at 256 rows is ~7 ms on the H200, the host's
-work on its tokens ~2 ms). A sequence that a stop token ends has one more step launched whose
+(per token: stops, detokenizing, an output) overlaps the GPU's next step instead of leaving the
+GPU idle. A sequence that a stop token ends has one more step launched whose
 token is dropped (and keeps its blocks until that is known); max_tokens is known in advance and
 never overshoots. Freed blocks can be handed out at once: every step runs on one CUDA stream, so
 a block's next owner writes it after the in-flight step that may still write it.
@@ -58,8 +58,9 @@ from .text import TextStream
 # sequences wait for the step's prefills, and the prompts of a burst get their first tokens a
 # step's worth at a time, shortest first, instead of all at the end of one long prefill.
 PREFILL_TOKENS = 2048
-# On CUDA, prompts of up to this many tokens are prefilled from a CUDA graph each (one eager
-# forward of a short prompt is ~17 ms of kernel launches from Python for ~1 ms of GPU work).
+# On CUDA, prompts of up to this many tokens are prefilled from a CUDA graph each: an eager
+# forward costs the same host time of kernel launches from Python whatever the prompt's length,
+# many times a short prompt's GPU time.
 PREFILL_GRAPH_TOKENS = 2048
 
 
@@ -164,6 +165,22 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # None: the tokens are already there (CPU)
 
 
+def capture_buckets(sizes: list[int], forward: Callable[[int], torch.Tensor],
+                    device: torch.device) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    """{size: (graph, its output)} for forward(size) captured at each size, largest first, the
+    graphs sharing one memory pool (each later capture fits in what the largest reserved)."""
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.device(device), torch.inference_mode():
+        for size in reversed(sizes):
+            warm_up_on_a_side_stream(lambda size=size: forward(size))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = forward(size)
+            graphs[size] = (graph, out)
+    return graphs
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16, up to max_batch."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
@@ -184,23 +201,12 @@ class PagedDecodeStep:
             self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
             self.valid = torch.zeros(max_batch, 1, dtype=torch.bool, device=device)
             self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
-            self.capture_all()
+            # Every row is padding while capturing (valid False): warm-up writes land in the scratch slot.
+            self.graphs = capture_buckets(self.buckets, self._forward, device)
 
     def _forward(self, n: int) -> torch.Tensor:
         return self.model(self.ids[:n], self.positions[:n], cache=self.cache, attention_mask=self.valid[:n],
                           last_only=True, block_table=self.block_table[:n])[:, -1]
-
-    def capture_all(self) -> None:
-        """Capture every bucket's step, largest first, the graphs sharing one memory pool. Every
-        row is padding while capturing (valid False): warm-up writes land in the scratch slot."""
-        pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.device(self.ids.device), torch.inference_mode():
-            for n in reversed(self.buckets):
-                warm_up_on_a_side_stream(lambda n=n: self._forward(n))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(n)
-                self.graphs[n] = (graph, logits)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         B = ids.shape[0]
@@ -245,7 +251,8 @@ class PagedPrefillStep:
             self.positions = torch.arange(T, device=device)[None]
             self.valid = torch.zeros(1, T, dtype=torch.bool, device=device)
             self.block_table = torch.zeros(1, table_width, dtype=torch.long, device=device)
-            self.capture_all()
+            # Every token is padding while capturing: warm-up writes land in the scratch slot.
+            self.graphs = capture_buckets(self.buckets, self._forward, device)
 
     def fits(self, n_tokens: int) -> bool:
         return bool(self.buckets) and n_tokens <= self.buckets[-1]
@@ -253,18 +260,6 @@ class PagedPrefillStep:
     def _forward(self, T: int) -> torch.Tensor:
         return self.model(self.ids[:, :T], self.positions[:, :T], cache=self.cache, attention_mask=self.valid[:, :T],
                           last_only=True, block_table=self.block_table, from_start=True)[:, -1]
-
-    def capture_all(self) -> None:
-        """Capture every bucket's forward, largest first, in one memory pool; every token is
-        padding while capturing, so warm-up writes land in the scratch slot."""
-        pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.device(self.ids.device), torch.inference_mode():
-            for T in reversed(self.buckets):
-                warm_up_on_a_side_stream(lambda T=T: self._forward(T))
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self._forward(T)
-                self.graphs[T] = (graph, logits)
 
     def __call__(self, ids: list[int], block_table: torch.Tensor) -> torch.Tensor:
         """Logits [1, V] of ids' last token, its keys and values written through block_table [1, M]."""

@@ -76,9 +76,8 @@ def build_engine(spec: EngineSpec) -> Engine:
 
     device = torch.device(spec.device)
     if device.type == "cuda":
-        # The host side of a GPU engine is bookkeeping on small tensors: one thread. (With the
-        # default pool, 15 intra-op threads of the engine process each kept 33-42% of a core busy
-        # at 256 clients, on a host that also runs the server and its clients.)
+        # The host side of a GPU engine is bookkeeping on small tensors: one thread. Spare
+        # intra-op threads only spin after each op, on cores the server and its clients need.
         torch.set_num_threads(1)
     tokenizer = load_tokenizer(spec.model)
     model = Qwen3ForCausalLM.from_pretrained(spec.model, dtype=spec.dtype, device=device, norm_impl=spec.norm,

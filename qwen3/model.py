@@ -155,9 +155,8 @@ def rope_frequencies(config: Qwen3Config) -> tuple[torch.Tensor, float]:
 def settle_cpu_trig() -> None:
     """One-element cos and sin on the CPU. torch's CPU cos/sin call MKL's VML, which picks its
     kernel on a function's first call; when that first call runs on several intra-op threads at
-    once, one thread can get a low-accuracy kernel for its share (pytorch/pytorch#188792: the RoPE
-    table's rows 256-511 off by 1.5e-4 in a few fresh processes). A single-threaded first call
-    settles the choice; after it, calls are exact and cheap."""
+    once, one thread can get a low-accuracy kernel for its share (pytorch/pytorch#188792). A
+    single-threaded first call settles the choice for the process."""
     one = torch.ones(1)
     one.cos(), one.sin()
 
