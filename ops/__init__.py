@@ -39,12 +39,13 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
-# (impl, x dtype, weight dtype, x device, weight device) -> the concrete impl, for the combinations
-# that passed the checks below: a model calls the op with a handful of them, thousands of times.
+# (impl, then the dtype and device of x, weight and the residual if any) -> the concrete impl, for the
+# combinations that passed the checks below: a model calls the op with a handful of them, thousands
+# of times.
 _checked: dict[tuple, str] = {}
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> str:
+def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str, residual: torch.Tensor | None = None) -> str:
     # Ordered so that a valid call costs few attribute reads: this runs on every norm of every step.
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError(f"x and weight must be tensors, got {type(x).__name__} and {type(weight).__name__}")
@@ -55,28 +56,46 @@ def _check(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str) -> str:
         raise ValueError(f"weight must be 1-D of size D={shape[-1]} (x's last dim), got shape {tuple(weight.shape)}")
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative number, got {eps!r}")
-    key = (impl, x.dtype, weight.dtype, x.device, weight.device)
+    if residual is None:
+        key = (impl, x.dtype, weight.dtype, x.device, weight.device)
+    elif residual.shape == shape:
+        key = (impl, x.dtype, weight.dtype, x.device, weight.device, residual.dtype, residual.device)
+    else:
+        raise _residual_mismatch(x, residual)
     try:
         return _checked[key]
     except (KeyError, TypeError):  # not seen yet, or an unhashable impl (which resolve_impl rejects)
-        concrete = _check_kinds(x, weight, impl)
+        concrete = _check_kinds(x, weight, impl, residual)
     _checked[key] = concrete
     return concrete
 
 
-def _check_kinds(x: torch.Tensor, weight: torch.Tensor, impl: str) -> str:
+def _check_kinds(x: torch.Tensor, weight: torch.Tensor, impl: str, residual: torch.Tensor | None) -> str:
     """The checks that depend only on the impl, dtypes and devices; returns the concrete impl."""
     if not x.is_floating_point() or not weight.is_floating_point():
         raise TypeError(f"x and weight must be floating point, got {x.dtype} and {weight.dtype}")
     device = x.device
     if device != weight.device:
         raise ValueError(f"x and weight must be on the same device, got {device} and {weight.device}")
+    if residual is not None and residual.device != device:
+        raise _residual_mismatch(x, residual)
     concrete = resolve_impl(impl, device)
     if concrete != "torch" and (x.dtype not in _KERNEL_DTYPES or weight.dtype not in _KERNEL_DTYPES):
         raise TypeError(
             f"impl={concrete!r} supports float32, float16 and bfloat16, got x {x.dtype} and weight {weight.dtype}"
         )
+    if residual is not None and (
+        not residual.is_floating_point() or (concrete != "torch" and residual.dtype not in _KERNEL_DTYPES)
+    ):
+        raise TypeError(f"residual must be float32, float16 or bfloat16, got {residual.dtype}")
     return concrete
+
+
+def _residual_mismatch(x: torch.Tensor, residual: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"residual must match x in shape and device: got {tuple(residual.shape)} on {residual.device} "
+        f"for x {tuple(x.shape)} on {x.device}"
+    )
 
 
 def _kernels(impl: str) -> ModuleType:
@@ -104,16 +123,9 @@ def fused_add_rms_norm(
     """(rms_norm(s), s) with s = x + residual in one pass over memory. s has torch's dtype for
     `x + residual` (x's dtype when both share it, as in the HF decoder; fp32 when an autocast
     branch output meets an fp32 residual stream)."""
-    concrete = _check(x, weight, eps, impl)
     if not isinstance(residual, torch.Tensor):
         raise TypeError(f"residual must be a tensor, got {type(residual).__name__}")
-    if residual.shape != x.shape or residual.device != x.device:
-        raise ValueError(
-            f"residual must match x in shape and device: got {tuple(residual.shape)} on {residual.device} "
-            f"for x {tuple(x.shape)} on {x.device}"
-        )
-    if not residual.is_floating_point() or (concrete != "torch" and residual.dtype not in _KERNEL_DTYPES):
-        raise TypeError(f"residual must be float32, float16 or bfloat16, got {residual.dtype}")
+    concrete = _check(x, weight, eps, impl, residual)
     if concrete == "torch":
         return fused_add_rms_norm_torch(x, residual, weight, eps)
     return _kernels(concrete).fused_add_rms_norm(x, residual, weight, float(eps))

@@ -5,13 +5,17 @@ normalized row rounded to the input dtype, then multiplied by the weight in fp32
 to the promoted output dtype (a product of two 16-bit floats is exact in fp32, so this rounds as
 torch's `weight * normalized` does).
 
-One route: every call goes through the custom op `qwen3_ops::rms_norm` or
+One route: every call goes through the torch op `qwen3_ops::rms_norm` or
 `qwen3_ops::fused_add_rms_norm`, which launches its kernel with `kernel[grid](...)`. The ops have
 fake implementations (torch.compile sees one opaque node per norm) and registered autograd, whose
 backward is the op `qwen3_ops::rms_norm_backward`.
 
 Rows whose leading dims collapse into at most two strides are read in place (a column slice, the
 q part of a fused qkv projection viewed as (B, S, H, head_dim)). Outputs are contiguous.
+
+Triton binds and specializes every argument of every launch on the host, so a kernel takes only
+what the call uses: an absent residual, sum or rstd is None, and so is the row layout of a
+contiguous input (its rows are then addressed as `row * D`).
 """
 
 import contextlib
@@ -32,22 +36,21 @@ SUM_BLOCK_ROWS, SUM_BLOCK_D = 32, 64  # tile of the dweight reduction over the b
 
 
 @triton.jit
-def _row_start(row, inner, stride_outer, stride_inner):
-    """Offset of row `row` of a tensor whose rows are (outer, inner) with these two strides."""
-    return (row // inner) * stride_outer + (row % inner) * stride_inner
+def _row_start(row, layout):
+    """Offset of row `row` of a tensor whose rows are (outer, inner), layout = (inner, stride_outer,
+    stride_inner) (see row_layout)."""
+    return (row // layout[0]) * layout[1] + (row % layout[0]) * layout[2]
 
 
-@triton.jit(do_not_specialize=["n_rows", "eps", "x_inner", "r_inner"])
+@triton.jit(do_not_specialize=["n_rows", "eps"])
 def _forward_one_pass(
-    X, R, W, Y, S, RSTD,
-    n_rows, D, eps,
-    x_inner, x_stride_outer, x_stride_inner,
-    r_inner, r_stride_outer, r_stride_inner,
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr, CONTIGUOUS: tl.constexpr, FULL_ROW: tl.constexpr,
+    X, R, W, Y, S, RSTD, n_rows, D, eps, x_rows, r_rows,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, FULL_ROW: tl.constexpr,
 ):
-    """BLOCK_ROWS rows per program, each held whole in registers. CONTIGUOUS: x and the residual
-    are plain (rows, D) tensors, addressed without the 64-bit divisions of the general layout.
+    """BLOCK_ROWS rows per program, each held whole in registers. R (the residual) and S (the sum
+    written out) are None without a residual; RSTD is None unless the backward needs it. x_rows,
+    r_rows: the row layout (row_layout) of a strided x or residual, None where it is a plain
+    (rows, D) tensor, addressed without the layout's 64-bit divisions.
     FULL_ROW: D == BLOCK_D, so no column mask and a row stride known at compile time (fewer
     instructions per element, which shows in kernels of ~20-40 us)."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
@@ -61,83 +64,84 @@ def _forward_one_pass(
         mask = row_ok[:, None] & (cols < D)[None, :]
         out_rows = rows[:, None] * D + cols[None, :]
         w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
-    if CONTIGUOUS:
+    if x_rows is None:
         x = tl.load(X + out_rows, mask=mask, other=0.0)
     else:
-        x_rows = _row_start(rows, x_inner, x_stride_outer, x_stride_inner)
-        x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        if CONTIGUOUS:
+        x = tl.load(X + _row_start(rows, x_rows)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if R is not None:
+        if r_rows is None:
             res = tl.load(R + out_rows, mask=mask, other=0.0)
         else:
-            r_rows = _row_start(rows, r_inner, r_stride_outer, r_stride_inner)
-            res = tl.load(R + r_rows[:, None] + cols[None, :], mask=mask, other=0.0)
-        # The sum is rounded to x's dtype, as `residual + hidden_states` is in the HF decoder.
+            res = tl.load(R + _row_start(rows, r_rows)[:, None] + cols[None, :], mask=mask, other=0.0)
+        # The sum is rounded to its dtype, as `residual + hidden_states` is in the HF decoder.
         x = round_to(x.to(tl.float32) + res.to(tl.float32), S.dtype.element_ty)
         tl.store(S + out_rows, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
-    if STORE_RSTD:
+    if RSTD is not None:
         tl.store(RSTD + rows, rstd, mask=row_ok)
-    normalized = round_to(xf * rstd[:, None], S.dtype.element_ty).to(tl.float32)
+    # x has the dtype of the row being normalized (the sum's, with a residual), HF's rounding dtype.
+    normalized = round_to(xf * rstd[:, None], x.dtype).to(tl.float32)
     tl.store(Y + out_rows, round_to(normalized * w[None, :], Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows", "eps", "x_inner", "r_inner"])
+@triton.jit(do_not_specialize=["eps"])
 def _forward_looped(
-    X, R, W, Y, S, RSTD,
-    n_rows, eps,
-    x_inner, x_stride_outer, x_stride_inner,
-    r_inner, r_stride_outer, r_stride_inner,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_RSTD: tl.constexpr,
+    X, R, W, Y, S, RSTD, eps, x_rows, r_rows,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One row per program, two passes over it in BLOCK_D chunks: sum of squares, then normalize.
     Pass one asks L2 to keep the row (evict_last) so that pass two re-reads it from cache.
     D is compiled in, as Inductor does (its loop bounds are then constants); a model has one or
-    two widths this wide, so few compiles."""
+    two widths this wide, so few compiles. Arguments as _forward_one_pass's."""
     row = tl.program_id(0).to(tl.int64)
-    x_row = X + _row_start(row, x_inner, x_stride_outer, x_stride_inner)
-    r_row = R + _row_start(row, r_inner, r_stride_outer, r_stride_inner)
     out_row = row * D
+    if x_rows is None:
+        x_row = X + out_row
+    else:
+        x_row = X + _row_start(row, x_rows)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = cols < D
         x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_last")
-        if HAS_RESIDUAL:
+        if R is not None:
+            if r_rows is None:
+                r_row = R + out_row
+            else:
+                r_row = R + _row_start(row, r_rows)
             res = tl.load(r_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
             x = round_to(x.to(tl.float32) + res.to(tl.float32), S.dtype.element_ty)
             tl.store(S + out_row + cols, x, mask=ok)
         xf = x.to(tl.float32)
         acc += xf * xf
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
-    if STORE_RSTD:
+    if RSTD is not None:
         tl.store(RSTD + row, rstd)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = cols < D
-        if HAS_RESIDUAL:
+        if R is not None:
             x = tl.load(S + out_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
         else:
             x = tl.load(x_row + cols, mask=ok, other=0.0, eviction_policy="evict_first")
-        normalized = round_to(x.to(tl.float32) * rstd, S.dtype.element_ty).to(tl.float32)
+        normalized = round_to(x.to(tl.float32) * rstd, x.dtype).to(tl.float32)
         w = tl.load(W + cols, mask=ok, other=0.0, eviction_policy="evict_last").to(tl.float32)
         tl.store(Y + out_row + cols, round_to(normalized * w, Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["n_rows", "rows_per_program", "x_inner"])
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _backward(
-    DY, X, W, RSTD, DS, DX, DW_PARTIAL,
-    n_rows, D, rows_per_program,
-    x_inner, x_stride_outer, x_stride_inner,
-    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    DY, X, W, RSTD, DS, DX, DW_PARTIAL, n_rows, D, rows_per_program, x_rows,
+    BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dx and per-program fp32 partial sums of dweight for a contiguous range of rows.
 
     Follows autograd through HF's module: the gradient reaching the normalized value is
     dy * w rounded to y's dtype (the multiply's backward runs in that dtype); dweight is
-    sum(dy * normalized_rounded) accumulated in fp32. HAS_DS adds the gradient of the
-    residual-sum output of the fused op (the sum also feeds the next residual branch).
+    sum(dy * normalized_rounded) accumulated in fp32. DS, where not None, is the gradient of the
+    residual-sum output of the fused op (the sum also feeds the next residual branch), added to dx.
+    x_rows: x's row layout, None where contiguous.
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -151,11 +155,10 @@ def _backward(
         row_ok = rows < last
         mask = row_ok[:, None] & col_ok[None, :]
         out_rows = rows[:, None] * D + cols[None, :]
-        if CONTIGUOUS:
+        if x_rows is None:
             x = tl.load(X + out_rows, mask=mask, other=0.0).to(tl.float32)
         else:
-            x_rows = _row_start(rows, x_inner, x_stride_outer, x_stride_inner)
-            x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + _row_start(rows, x_rows)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + out_rows, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         normalized = x * rstd[:, None]
@@ -163,7 +166,7 @@ def _backward(
         dn = round_to(dy * w[None, :], DY.dtype.element_ty).to(tl.float32)
         mean_dn_n = tl.sum(dn * normalized, axis=1) / D
         dx = (dn - normalized * mean_dn_n[:, None]) * rstd[:, None]
-        if HAS_DS:
+        if DS is not None:
             dx += tl.load(DS + out_rows, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + out_rows, round_to(dx, DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * D + cols, dw, mask=col_ok)
@@ -337,27 +340,21 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     rstd = x.new_empty(n_rows if store_rstd else 0, dtype=torch.float32)
     if n_rows == 0:
         return y, summed, rstd
-    x, x_layout = _readable_rows(x)
-    if residual is None:  # R and S are x, never read; S's dtype is the one the normalized row is rounded to
-        residual, r_layout, s = x, x_layout, x
-    else:
-        residual, r_layout = _readable_rows(residual)
-        s = summed
-    contiguous_rows = (n_rows, 0, D)
-    args = (x, residual, weight.contiguous(), y, s, rstd if store_rstd else y)
-    layouts = (*(x_layout or contiguous_rows), *(r_layout or contiguous_rows))
-    launch = forward_launch(D, x.element_size(), summed is not None)
+    x, x_rows = _readable_rows(x)
+    r_rows = None
+    if residual is not None:
+        residual, r_rows = _readable_rows(residual)
+    args = (x, residual, weight.contiguous(), y, summed, rstd if store_rstd else None)
+    launch = forward_launch(D, x.element_size(), residual is not None)
     with _device_of(x):
         if isinstance(launch, OnePass):
             block_d = _next_power_of_2(D)
             _forward_one_pass[(_cdiv(n_rows, launch.rows),)](
-                *args, n_rows, D, eps, *layouts, BLOCK_ROWS=launch.rows, BLOCK_D=block_d,
-                HAS_RESIDUAL=summed is not None, STORE_RSTD=store_rstd,
-                CONTIGUOUS=x_layout is None and r_layout is None, FULL_ROW=D == block_d, num_warps=launch.warps)
+                *args, n_rows, D, eps, x_rows, r_rows,
+                BLOCK_ROWS=launch.rows, BLOCK_D=block_d, FULL_ROW=D == block_d, num_warps=launch.warps)
         else:
             _forward_looped[(n_rows,)](
-                *args, n_rows, eps, *layouts, D=D, BLOCK_D=launch.chunk, HAS_RESIDUAL=summed is not None,
-                STORE_RSTD=store_rstd, num_warps=launch.warps)
+                *args, eps, x_rows, r_rows, D=D, BLOCK_D=launch.chunk, num_warps=launch.warps)
     return y, summed, rstd
 
 
@@ -371,18 +368,16 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torc
     n_rows = x.numel() // D
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
-    x, x_layout = _readable_rows(x)
+    x, x_rows = _readable_rows(x)
     launch = backward_launch(D, x.device)
     programs, rows_per_program = backward_grid(n_rows, launch.rows, launch.max_programs)
     partial = x.new_empty(programs * D, dtype=torch.float32)  # flat: a 1-D size is the cheapest to allocate
     dw = torch.empty_like(weight)
-    dy, weight, rstd = dy.contiguous(), weight.contiguous(), rstd.contiguous()
     with _device_of(x):
         _backward[(programs,)](
-            dy, x, weight, rstd, dy if d_sum is None else d_sum.contiguous(), dx, partial,
-            n_rows, D, rows_per_program, *(x_layout or (n_rows, 0, D)),
-            BLOCK_ROWS=launch.rows, BLOCK_D=launch.block_d, HAS_DS=d_sum is not None, CONTIGUOUS=x_layout is None,
-            num_warps=launch.warps)
+            dy.contiguous(), x, weight.contiguous(), rstd.contiguous(), None if d_sum is None else d_sum.contiguous(),
+            dx, partial, n_rows, D, rows_per_program, x_rows,
+            BLOCK_ROWS=launch.rows, BLOCK_D=launch.block_d, num_warps=launch.warps)
         _sum_partials[(_cdiv(D, SUM_BLOCK_D),)](
             partial, dw, programs, D, BLOCK_ROWS=SUM_BLOCK_ROWS, BLOCK_D=SUM_BLOCK_D, num_warps=4)
     return dx, dw
@@ -408,28 +403,35 @@ def fused_add_rms_norm(
     return y, summed
 
 
-@torch.library.custom_op("qwen3_ops::rms_norm", mutates_args=())
-def rms_norm_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, store_rstd: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd); rstd is empty unless store_rstd, which the backward needs."""
+# The ops are declared with torch.library.define and given a kernel per device, a fake (for
+# torch.compile) and an autograd formula: what @torch.library.custom_op registers, without the
+# Python layers its wrapper adds to every call (a dynamo guard, an output aliasing check).
+SCHEMAS = {
+    "rms_norm": "(Tensor x, Tensor weight, float eps, bool store_rstd) -> (Tensor, Tensor)",
+    "fused_add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps, bool store_rstd)"
+                          " -> (Tensor, Tensor, Tensor)",
+    "rms_norm_backward": "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor? d_sum) -> (Tensor, Tensor)",
+}
+for _name, _schema in SCHEMAS.items():
+    torch.library.define(f"qwen3_ops::{_name}", _schema, tags=(torch.Tag.pt2_compliant_tag,))
+rms_norm_op = torch.ops.qwen3_ops.rms_norm.default  # (y, rstd); rstd is empty unless store_rstd
+fused_add_rms_norm_op = torch.ops.qwen3_ops.fused_add_rms_norm.default  # (y, x + residual, rstd)
+rms_norm_backward_op = torch.ops.qwen3_ops.rms_norm_backward.default  # (dx, dweight)
+DEVICES = ("cuda", "cpu")  # cpu: Triton's interpreter (TRITON_INTERPRET=1)
+
+
+@torch.library.impl("qwen3_ops::rms_norm", DEVICES)
+def _(x, weight, eps, store_rstd):
     y, _, rstd = forward(x, weight, eps, store_rstd=store_rstd)
     return y, rstd
 
 
-@torch.library.custom_op("qwen3_ops::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, store_rstd: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, x + residual, rstd); rstd is empty unless store_rstd, which the backward needs."""
+@torch.library.impl("qwen3_ops::fused_add_rms_norm", DEVICES)
+def _(x, residual, weight, eps, store_rstd):
     return forward(x, weight, eps, residual=residual, store_rstd=store_rstd)
 
 
-@torch.library.custom_op("qwen3_ops::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, d_sum: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return backward(dy, x, weight, rstd, d_sum)
+torch.library.impl("qwen3_ops::rms_norm_backward", DEVICES, backward)
 
 
 def _fake_outputs(x: torch.Tensor, weight: torch.Tensor, store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,19 +439,19 @@ def _fake_outputs(x: torch.Tensor, weight: torch.Tensor, store_rstd: bool) -> tu
     return y, x.new_empty(x.numel() // x.shape[-1] if store_rstd else 0, dtype=torch.float32)
 
 
-@rms_norm_op.register_fake
+@torch.library.register_fake("qwen3_ops::rms_norm")
 def _(x, weight, eps, store_rstd):
     return _fake_outputs(x, weight, store_rstd)
 
 
-@fused_add_rms_norm_op.register_fake
+@torch.library.register_fake("qwen3_ops::fused_add_rms_norm")
 def _(x, residual, weight, eps, store_rstd):
     summed = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
     y, rstd = _fake_outputs(summed, weight, store_rstd)
     return y, summed, rstd
 
 
-@rms_norm_backward_op.register_fake
+@torch.library.register_fake("qwen3_ops::rms_norm_backward")
 def _(dy, x, weight, rstd, d_sum):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
@@ -480,5 +482,5 @@ def _fused_add_rms_norm_grad(ctx, dy, d_sum, d_rstd):
     return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None, None
 
 
-rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_setup_context)
-fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_grad, setup_context=_setup_context)
+torch.library.register_autograd("qwen3_ops::rms_norm", _rms_norm_grad, setup_context=_setup_context)
+torch.library.register_autograd("qwen3_ops::fused_add_rms_norm", _fused_add_rms_norm_grad, setup_context=_setup_context)

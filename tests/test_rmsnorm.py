@@ -215,6 +215,19 @@ def test_fused_add_on_strided_views():
     assert_matches_hf(y, residual + x, module)
 
 
+@pytest.mark.parametrize("D", [64, 20000])  # the one-pass and the looped kernel
+def test_fused_add_reads_x_and_residual_by_their_own_layouts(D):
+    """x strided and the residual contiguous, the other way round, and both strided: each input is
+    addressed by its own row layout."""
+    base = randn(3, 4, 2 * D, dtype=torch.bfloat16, seed=12)
+    strided, plain = base[..., D:], randn(3, 4, D, dtype=torch.bfloat16, seed=13)
+    module = hf_norm(D, weight_dtype=torch.bfloat16)
+    for x, residual in ((strided, plain), (plain, strided), (strided, base[..., :D])):
+        y, summed = fused_add_rms_norm(x, residual, module.weight.detach(), impl="triton")
+        assert torch.equal(summed, residual + x)
+        assert_matches_hf(y, residual + x, module)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lead=st.lists(st.integers(1, 5), min_size=0, max_size=3),

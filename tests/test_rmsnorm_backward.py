@@ -184,7 +184,7 @@ def test_wide_rows_backward_is_refused():
 @pytest.mark.parametrize("grad", [True, False])
 def test_opcheck(op, args, grad):
     # test_aot_dispatch_dynamic traces with symbolic shapes into real kernels; it passes on CPU
-    # tensors through the interpreter because these are custom_ops, opaque to the tracer.
+    # tensors through the interpreter because these are registered ops, opaque to the tracer.
     x = torch.randn(8, 64, device=DEVICE, requires_grad=grad)
     w = torch.randn(64, device=DEVICE, requires_grad=grad)
     torch.library.opcheck(op, args(x, w, grad))
