@@ -28,6 +28,9 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 __all__ = ["decode_attention", "num_splits"]
 
 BLOCK_N = 64  # keys per inner step
+# Loads issued one key block ahead: a deeper pipeline only adds shared memory, and lost up to 7%
+# of the copy's speed in every batch and length measured (docs/benchmarks/decode-notes.md).
+STAGES = 2
 TARGET_PROGRAMS = 1024  # several waves of the H200's 132 SMs: a row's keys in slices of ~1/4 at batch 32
 
 
@@ -127,7 +130,8 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
-        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=STAGES,
+        launch_pdl=pdl,
     )
     _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
                             HD=hd, BLOCK_HD=block_hd, PDL=pdl, num_warps=1, launch_pdl=pdl)

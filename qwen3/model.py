@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
+from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm, skinny_gemm
 from ops.decode_attention import decode_attention
 from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
@@ -81,10 +81,14 @@ class FusedLinear(nn.Linear):
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """layer(x). On the fused path a single row (a batch-1 decode step) takes the GEMV kernel,
-    which streams the weights faster than cuBLAS's kernels for that shape (ops/gemv.py)."""
-    if fused and x.numel() == x.shape[-1]:
+    """layer(x). On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and
+    a few rows (a batched decode step) the skinny GEMM where it is faster: both stream the
+    weights faster than cuBLAS's kernels for those shapes (ops/gemv.py, ops/skinny_gemm.py)."""
+    rows = x.numel() // x.shape[-1] if fused else 0
+    if rows == 1:
         return gemv(x, layer.weight, layer.bias)
+    if skinny_gemm.faster_than_cublas(rows, layer.weight):
+        return skinny_gemm.skinny_linear(x, layer.weight, layer.bias)
     return layer(x)
 
 
@@ -364,7 +368,7 @@ class MLP(nn.Module):
         if fused and gate_up.numel() == gate_up.shape[-1]:  # one row: SwiGLU's product inside the GEMV
             return gemv(gate_up, self.down_proj.weight, gated=True)
         if fused:
-            return self.down_proj(silu_mul(gate_up))
+            return linear(self.down_proj, silu_mul(gate_up), fused)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

@@ -1,5 +1,6 @@
-"""The decode step's Triton kernels (ops/qk_norm_rope.py, decode_attention.py, silu_mul.py) against
-transformers' own modules and functions: Qwen3RMSNorm, apply_rotary_pos_emb, eager attention, SiLU."""
+"""The decode step's Triton kernels (ops/qk_norm_rope.py, decode_attention.py, silu_mul.py, gemv.py,
+skinny_gemm.py) against transformers' own modules and functions (Qwen3RMSNorm, apply_rotary_pos_emb,
+eager attention, SiLU) and torch's nn.Linear."""
 
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ from ops.decode_attention import decode_attention
 from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
+from ops.skinny_gemm import skinny_linear
 from qwen3.config import Qwen3Config
 from qwen3.model import RotaryEmbedding
 
@@ -158,6 +160,21 @@ def test_gemv_equals_linear(dtype, shape, bias):
         assert_close(gemv(x, layer.weight, layer.bias), layer(x))
     with pytest.raises(ValueError, match="one row"):
         gemv(randn(2, K, dtype=dtype, seed=1), layer.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, N, K", [(2, 77, 300), (5, 96, 2048), (64, 1024, 2048), (70, 40, 160)],
+                         ids=["two-rows", "split-k", "64-rows-split-k", "two-row-blocks"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_linear(dtype, rows, N, K, bias):
+    """A few rows through a linear layer, as a batched decode step's projections are computed;
+    with K split over programs where N alone gives few (their partial sums added in order)."""
+    layer = torch.nn.Linear(K, N, bias=bias).to(DEVICE, dtype)
+    x = randn(rows, 1, K, dtype=dtype, seed=0)
+    with torch.no_grad():
+        assert_close(skinny_linear(x, layer.weight, layer.bias), layer(x))
+    with pytest.raises(ValueError, match="skinny_linear takes"):
+        skinny_linear(x[..., :-1], layer.weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

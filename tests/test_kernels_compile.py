@@ -96,6 +96,20 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_skinny_gemm_kernels_compile(dtype):
+    if not COMPILED:
+        return run_compiled("test_skinny_gemm_kernels_compile", dtype)
+    from ops import skinny_gemm
+
+    pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32"}
+    for bias, partial, block_m in ((True, False, 16), (False, True, 64), (True, True, 32)):
+        compile_for_hopper(skinny_gemm._skinny_kernel, pointers,
+                           dict(HAS_BIAS=bias, STORE_PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128,
+                                IEEE=dtype == "fp32", PDL=True))
+    compile_for_hopper(skinny_gemm._sum_splits_kernel, pointers, dict(HAS_BIAS=True, SPLIT=4, BLOCK=1024, PDL=True))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_fused_moe_kernels_compile(dtype):
     if not COMPILED:
         return run_compiled("test_fused_moe_kernels_compile", dtype)
