@@ -28,8 +28,8 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 __all__ = ["decode_attention", "num_splits"]
 
 BLOCK_N = 64  # keys per inner step
-# Loads issued one key block ahead: a deeper pipeline only adds shared memory, and lost up to 7%
-# of the copy's speed in every batch and length measured (docs/benchmarks/decode-notes.md).
+# Loads issued one key block ahead: a deeper pipeline only adds shared memory and reads no faster
+# (docs/benchmarks/decode-notes.md).
 STAGES = 2
 TARGET_PROGRAMS = 1024  # several waves of the H200's 132 SMs: a row's keys in slices of ~1/4 at batch 32
 

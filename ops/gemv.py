@@ -137,7 +137,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     weight, bias) for x = [gate | up] [..., 2K]. Inference only (no backward)."""
     K = weight.shape[-1] if weight.dim() == 2 else -1
     _check_row(x, weight, bias, 2 * K if gated else K, "2K" if gated else "K")
-    return _gemv_op(x.contiguous(), weight.contiguous(), bias, gated)
+    return _gemv_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), gated)
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -154,5 +154,6 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
         raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
     y, summed = _gemv_rms_norm_op(x.contiguous(), residual.contiguous() if residual is not None else None,
-                                  norm_weight.contiguous(), float(eps), weight.contiguous(), bias)
+                                  norm_weight.contiguous(), float(eps), weight.contiguous(),
+                                  None if bias is None else bias.contiguous())
     return y, summed if residual is not None else x

@@ -26,11 +26,12 @@ TARGET_PROGRAMS = 128  # about one program per SM of an H100/H200
 
 
 def faster_than_cublas(rows: int, weight: torch.Tensor) -> bool:
-    """Whether a product of `rows` rows with `weight` takes this kernel on the model's fused path:
-    2-64 rows by matrices of under 8M weights (Qwen3-0.6B's), where cuBLAS's kernels of a few
-    microseconds leave bandwidth unused. At 8B's sizes cuBLAS streams as fast or faster
-    (docs/benchmarks/decode-notes.md has both)."""
-    return 1 < rows <= 64 and weight.numel() < 8 * 2**20
+    """Whether a product of `rows` rows (a batched decode step's, or a prompt's of up to 64 tokens)
+    with `weight` takes this kernel on the model's fused path: 2-64 rows by 16-bit matrices of
+    under 8M weights (Qwen3-0.6B's; a tensor-parallel rank's shard counts by its own size), where
+    cuBLAS's kernels of a few microseconds leave bandwidth unused. At 8B's sizes cuBLAS streams as
+    fast or faster (docs/benchmarks/decode-notes.md has both); fp32 stays with cuBLAS."""
+    return 1 < rows <= 64 and weight.numel() < 8 * 2**20 and weight.element_size() == 2
 
 
 def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int]:
@@ -125,9 +126,9 @@ def _(x, weight, bias):
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K]: any number of rows, fast for a few. Inference only."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"skinny_linear takes x [..., K] and weight [N, K], got {tuple(x.shape)} and "
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or not weight.shape[1]:
+        raise ValueError(f"skinny_linear takes x [..., K] and weight [N, K] with K >= 1, got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
         raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
-    return _skinny_op(x.contiguous(), weight.contiguous(), bias)
+    return _skinny_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous())

@@ -163,8 +163,8 @@ def test_gemv_equals_linear(dtype, shape, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, N, K", [(2, 77, 300), (5, 96, 2048), (64, 1024, 2048), (70, 40, 160)],
-                         ids=["two-rows", "split-k", "64-rows-split-k", "two-row-blocks"])
+@pytest.mark.parametrize("rows, N, K", [(2, 77, 300), (5, 96, 2048), (3, 40, 1100), (64, 1024, 2048), (70, 40, 160)],
+                         ids=["two-rows", "split-k", "last-split-past-k", "64-rows-split-k", "two-row-blocks"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_equals_linear(dtype, rows, N, K, bias):
     """A few rows through a linear layer, as a batched decode step's projections are computed;
@@ -173,6 +173,9 @@ def test_skinny_linear_equals_linear(dtype, rows, N, K, bias):
     x = randn(rows, 1, K, dtype=dtype, seed=0)
     with torch.no_grad():
         assert_close(skinny_linear(x, layer.weight, layer.bias), layer(x))
+        if bias:  # a strided bias is read as its values, not its memory
+            strided = torch.stack([layer.bias, -layer.bias], dim=1)[:, 0]
+            assert_close(skinny_linear(x, layer.weight, strided), layer(x))
     with pytest.raises(ValueError, match="skinny_linear takes"):
         skinny_linear(x[..., :-1], layer.weight)
 
