@@ -93,5 +93,14 @@ def next_token(
     logits = apply_penalties(logits.float(), seen, params)
     if params.greedy:
         return logits.argmax(-1)
-    probs = filter_logits(logits, params).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(filter_logits(logits, params).softmax(-1), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs [B, V], drawn with probability probs[b, i]: argmax of
+    probs / q with q ~ Exp(1) per entry (the first of independent exponential clocks to ring).
+    It is torch.multinomial(probs, 1)'s own algorithm, the same draws from the same generator,
+    without the check that first reads the probabilities back to the host: that wait for the GPU
+    would come once a token and leave the GPU idle while the host queues the next step."""
+    clocks = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / clocks).argmax(-1)

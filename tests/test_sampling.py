@@ -6,9 +6,10 @@ import math
 import pytest
 import torch
 from checkpoints import hf_model, save
+from conftest import DEVICE, requires_cuda
 
 from qwen3 import Qwen3ForCausalLM
-from qwen3.sampling import SamplingParams, apply_penalties, filter_logits, next_token
+from qwen3.sampling import SamplingParams, apply_penalties, draw, filter_logits, next_token
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 
@@ -73,6 +74,32 @@ def test_draws_follow_the_filtered_distribution():
     expected = torch.tensor([0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0], dtype=torch.double)
     # binomial standard error at n=20000 is <= 0.0036; 4 sigma
     assert (freq - expected).abs().max() < 4 * math.sqrt(0.25 / n)
+
+
+def test_draw_is_torch_multinomial_from_the_same_generator():
+    """draw() gives the tokens torch.multinomial(probs, 1) gives from the same seed: its algorithm,
+    without its read-back of the probabilities."""
+    probs = torch.rand(6, 5000, generator=torch.Generator().manual_seed(1)).pow(8).to(DEVICE)
+    probs = probs / probs.sum(-1, keepdim=True)
+    expected = torch.multinomial(probs, 1, generator=torch.Generator(DEVICE).manual_seed(2)).squeeze(-1)
+    assert torch.equal(draw(probs, torch.Generator(DEVICE).manual_seed(2)), expected)
+
+
+@requires_cuda
+def test_sampling_does_not_wait_for_the_gpu():
+    """Choosing a token with every filter and penalty on leaves the host free to queue the next
+    decode step: nothing is read back (torch.multinomial would read the probabilities back)."""
+    logits = torch.randn(3, 50000, device=DEVICE)
+    seen = torch.rand(3, 50000, device=DEVICE) < 0.01
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.5)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    next_token(logits, seen, params, generator)  # first calls set up their kernels
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        next_token(logits, seen, params, generator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize(
