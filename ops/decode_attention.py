@@ -17,6 +17,10 @@ Each program takes one row, one key/value head and one of `splits` slices of the
 with the H / K query heads that share that key/value head as the rows of its matrix products
 (padded to 16, the smallest tl.dot); a second kernel merges the slices by their log-sum-exp.
 Splitting fills the GPU when batch x K is small; the slice length follows seq_lens on the device.
+Where batch x K alone fills it (one slice per row), the programs write the output themselves
+and there is no merge. (Merging in the split kernel, by whichever program finishes a row's
+slices last, measured slower: that program's merge runs after its own slice, where the merge
+kernel's programs run side by side; docs/benchmarks/decode-notes.md.)
 """
 
 import torch
@@ -44,7 +48,7 @@ def num_splits(batch: int, n_kv_heads: int) -> int:
 
 @triton.jit
 def _split_kernel(
-    Q, K, V, SEQ_LENS, BLOCK_TABLE, O_PART, LSE_PART,
+    Q, K, V, SEQ_LENS, BLOCK_TABLE, O_PART, LSE_PART, OUT,
     scale, max_len, stride_kb, stride_ks, stride_table,
     PAGED: tl.constexpr, PAGE: tl.constexpr,
     N_KV: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HD: tl.constexpr, BLOCK_HD: tl.constexpr,
@@ -87,12 +91,16 @@ def _split_kernel(
         v = tl.load(V + kv * HD + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, FP32)
         m = m_new
-    # An empty slice (past the row's length) leaves lse = -inf: the merge gives it no weight.
     out = acc / tl.maximum(denom, 1e-30)[:, None]
-    lse = tl.where(denom > 0, m + tl.log(tl.maximum(denom, 1e-30)), float("-inf"))
-    part = (b * N_KV * GROUP + heads) * SPLITS + split
-    tl.store(O_PART + part[:, None] * HD + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(LSE_PART + part, lse, mask=g_ok)
+    if SPLITS == 1:  # the row's only slice: its result is the output
+        tl.store(OUT + (b * N_KV * GROUP + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # An empty slice (past the row's length) leaves lse = -inf: the merge gives it no weight.
+        lse = tl.where(denom > 0, m + tl.log(tl.maximum(denom, 1e-30)), float("-inf"))
+        part = (b * N_KV * GROUP + heads) * SPLITS + split
+        tl.store(O_PART + part[:, None] * HD + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(LSE_PART + part, lse, mask=g_ok)
 
 
 @triton.jit
@@ -117,8 +125,9 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     B, H, hd = q.shape
     K = k_cache.shape[2]
     out = torch.empty_like(q)
-    o_part = torch.empty(B, H, splits, hd, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(B, H, splits, dtype=torch.float32, device=q.device)
+    parts = splits if splits > 1 else 0  # one slice per row: written straight to the output
+    o_part = torch.empty(B, H, parts, hd, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(B, H, parts, dtype=torch.float32, device=q.device)
     group = H // K
     block_hd = triton.next_power_of_2(hd)
     paged = block_table is not None
@@ -126,15 +135,16 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     page = k_cache.shape[1] if paged else 1
     max_len = block_table.shape[1] * page if paged else k_cache.shape[1]  # keys a row can hold
     _split_kernel[(B, K, splits)](
-        q, k_cache, v_cache, seq_lens, block_table if paged else seq_lens, o_part, lse_part, scale, max_len,
+        q, k_cache, v_cache, seq_lens, block_table if paged else seq_lens, o_part, lse_part, out, scale, max_len,
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
         SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=STAGES,
         launch_pdl=pdl,
     )
-    _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
-                            HD=hd, BLOCK_HD=block_hd, PDL=pdl, num_warps=1, launch_pdl=pdl)
+    if splits > 1:
+        _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),
+                                HD=hd, BLOCK_HD=block_hd, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return out
 
 
