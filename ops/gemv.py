@@ -1,6 +1,7 @@
 """One row through a linear layer: y = x @ W^T for x [1, K], W [N, K] (nn.Linear's layout).
 
     y = gemv(x, weight, bias=None)
+    a = gemv(x, gate_up_weight, gated=True)                      # silu(x @ W_gate^T) * (x @ W_up^T)
     y, s = gemv_rms_norm(x, residual, norm_weight, eps, weight)  # F.linear(rms_norm(x + residual)), s = x + residual
 
 A batch-1 decode step is a chain of such products, each streaming a weight matrix of a few MB
@@ -10,11 +11,17 @@ and reducing over all of K in fp32 (docs/benchmarks/decode-notes.md has the meas
 Products are summed in another order than cuBLAS's, so results differ from F.linear's by fp32
 rounding before the final rounding to the output dtype.
 
+gated=True takes a fused [gate; up] weight [2F, K] (an MLP's gate_up_proj) and returns SwiGLU's
+product silu(gate) * up [.., F]: a program owns F's outputs n and streams both W rows n and F + n,
+so the gate costs no kernel of its own and the down projection reads F values, not 2F.
+
 gemv_rms_norm puts the decoder's residual add and RMSNorm in front of the product: every program
 reads the whole input row anyway, so each also sums its squares and normalizes it as
 ops.fused_add_rms_norm does (the same roundings), and the first program stores the sum for the
 next residual add. A batch-1 decode step then has no separate norm kernels between projections.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,33 +32,66 @@ from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 __all__ = ["gemv", "gemv_rms_norm"]
 
 
-def gemv_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps). Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 outputs per
-    program and 1024-wide strides along K, so that many programs stream at once. Large ones (8B's):
-    programs of 4-32 outputs, enough to cover the SMs twice, 512 wide: fewer programs re-read the
-    input row (the gated down projection recomputes silu(gate) * up in each, so 2 outputs per
-    program would re-read a 48 KB row thousands of times). docs/benchmarks/decode-notes.md has
-    the whole-model measurements behind both."""
+@dataclass(frozen=True)
+class GemvLaunch:
+    block_n: int  # weight rows per program
+    block_k: int
+    warps: int
+    # Load the first weight tile before waiting for the kernel before (programmatic dependent
+    # launch), so that a kernel of a few microseconds overlaps its first loads with that kernel's end.
+    preload: bool
+
+
+def gemv_config(N: int, K: int) -> GemvLaunch:
+    """The launch for N weight rows of K. Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 rows
+    per program, 1024-wide strides along K, so that many programs stream at once, and the first
+    tile preloaded. Large ones (8B's): programs of 4-32 rows, enough to cover the SMs twice,
+    512 wide, no preload (their kernels measured slower with it). docs/benchmarks/decode-notes.md
+    has the measurements behind each rule."""
     if N * K < 8 * 2**20:
-        return (2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4
+        return GemvLaunch((2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4, True)
     block_n = 4
     while block_n < 32 and N // (block_n * 2) >= 264:
         block_n *= 2
-    return block_n, min(512, triton.next_power_of_2(K)), 4
+    return GemvLaunch(block_n, min(512, triton.next_power_of_2(K)), 4, False)
+
+
+@triton.jit
+def _input_tile(X, R, NW, k, k_ok, rstd, dtype: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The input row's values at columns k, in fp32, as the product reads them (see _gemv_kernel)."""
+    x = tl.load(X + k, mask=k_ok, other=0.0)
+    if NORM:
+        if HAS_RESIDUAL:
+            x = round_to(x.to(tl.float32) + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32), dtype)
+        normalized = round_to(x.to(tl.float32) * rstd, dtype).to(tl.float32)
+        x = round_to(normalized * tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32), dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    """GATED: X is [gate | up] (2K values) and the row is silu(gate) * up, rounded as silu_mul
-    rounds it (ops/silu_mul.py): SwiGLU's product fused into the down projection.
+                 PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    """Outputs n of this program: y[n] = x . W[n] (+ B[n]), rounded once.
+    GATED: W is [gate; up] (2N rows, B 2N values) and y[n] = silu(gate[n]) * up[n], gate[n] and
+    up[n] each rounded as the projection's output would be, then the product as ops/silu_mul.py
+    rounds it.
     NORM: the row is rms_norm(X (+ R if HAS_RESIDUAL), NW, eps), rounded as ops/rmsnorm_triton.py
     rounds it; the first program stores X + R to S."""
-    wait_for_prior_kernels(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    rows = W + n[:, None].to(tl.int64) * K  # gate rows when GATED
+    up_rows = W + (n + N)[:, None].to(tl.int64) * K
     dtype = W.dtype.element_ty
+    # PRELOAD: no kernel writes the weights, so the first tiles may be loaded before waiting for
+    # the kernel that writes X, their loads overlapping that kernel's last microseconds.
+    if PRELOAD:
+        k = tl.arange(0, BLOCK_K)
+        tile_ok = n_ok[:, None] & (k < K)[None, :]
+        w_first = tl.load(rows + k[None, :], mask=tile_ok, other=0.0)
+        if GATED:
+            w_up_first = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0)
+    wait_for_prior_kernels(PDL)
     rstd = 0.0
     if NORM:  # first pass over the row: its sum of squares (and the residual sum, stored once)
         squares = tl.zeros([BLOCK_K], tl.float32)
@@ -65,39 +105,47 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
             squares += x.to(tl.float32) * x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if PRELOAD:  # the preloaded tile's products
+        k = tl.arange(0, BLOCK_K)
+        x = _input_tile(X, R, NW, k, k < K, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
+        acc += w_first.to(tl.float32) * x
+        if GATED:
+            acc_up += w_up_first.to(tl.float32) * x
+    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(W + n[:, None].to(tl.int64) * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(X + k, mask=k_ok, other=0.0)
+        tile_ok = n_ok[:, None] & k_ok[None, :]
+        x = _input_tile(X, R, NW, k, k_ok, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
+        acc += tl.load(rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32) * x
         if GATED:
-            gate = x.to(tl.float32)
-            up = tl.load(X + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-            x = round_to(silu * up, dtype)
-        if NORM:
-            if HAS_RESIDUAL:
-                x = round_to(x.to(tl.float32) + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32), dtype)
-            normalized = round_to(x.to(tl.float32) * rstd, dtype).to(tl.float32)
-            x = round_to(normalized * tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32), dtype)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc_up += tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32) * x
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added to the fp32 sum, rounded once
         y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(Y + n, y.to(Y.dtype.element_ty), mask=n_ok)
+    if GATED:
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)
+        gate = round_to(y, dtype).to(tl.float32)
+        silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+        y = silu * round_to(up, dtype).to(tl.float32)
+    tl.store(Y + n, round_to(y, Y.dtype.element_ty), mask=n_ok)
 
 
 def _launch(x, weight, bias, gated, residual, norm_weight, eps, summed) -> torch.Tensor:
-    N, K = weight.shape
+    rows, K = weight.shape
+    N = rows // 2 if gated else rows  # outputs
     y = x.new_empty(*x.shape[:-1], N)
-    block_n, block_k, warps = gemv_config(N, K)
+    launch = gemv_config(rows, K)
+    block_n = max(1, launch.block_n // 2) if gated else launch.block_n  # gated: as many gate rows as up rows
     norm = norm_weight is not None
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm else x, summed if summed is not None else x,
         weight, bias if bias is not None else x, y, N, K, eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps,
-        launch_pdl=pdl)
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=launch.block_k, PRELOAD=launch.preload, PDL=pdl,
+        num_warps=launch.warps, launch_pdl=pdl)
     return y
 
 
@@ -106,47 +154,54 @@ def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
     return _launch(x, weight, bias, gated, None, None, 0.0, None)
 
 
+def _output(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
+
+
 @_gemv_op.register_fake
 def _(x, weight, bias, gated):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    return _output(x, weight, gated)
 
 
 @torch.library.custom_op("qwen3_ops::gemv_rms_norm", mutates_args=())
 def _gemv_rms_norm_op(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      weight: torch.Tensor, bias: torch.Tensor | None,
+                      gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
     summed = torch.empty_like(x) if residual is not None else x.new_empty(0)
-    y = _launch(x, weight, bias, False, residual, norm_weight, eps, summed if residual is not None else None)
+    y = _launch(x, weight, bias, gated, residual, norm_weight, eps, summed if residual is not None else None)
     return y, summed
 
 
 @_gemv_rms_norm_op.register_fake
-def _(x, residual, norm_weight, eps, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0]), torch.empty_like(x) if residual is not None else x.new_empty(0)
+def _(x, residual, norm_weight, eps, weight, bias, gated):
+    return _output(x, weight, gated), torch.empty_like(x) if residual is not None else x.new_empty(0)
 
 
-def _check_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, what: str) -> None:
-    if weight.dim() != 2 or x.numel() != x.shape[-1] or x.shape[-1] != width:
-        raise ValueError(f"gemv takes one row x [..., {what}] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+def _check_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> None:
+    K = weight.shape[-1] if weight.dim() == 2 else -1
+    if weight.dim() != 2 or x.numel() != x.shape[-1] or x.shape[-1] != K or (gated and weight.shape[0] % 2):
+        raise ValueError(f"gemv takes one row x [..., K] and weight [N, K]{' with N even (gated)' if gated else ''}, "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
         raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] holding one row; with gated, F.linear(silu(gate) * up,
-    weight, bias) for x = [gate | up] [..., 2K]. Inference only (no backward)."""
-    K = weight.shape[-1] if weight.dim() == 2 else -1
-    _check_row(x, weight, bias, 2 * K if gated else K, "2K" if gated else "K")
+    """F.linear(x, weight, bias) for x [..., K] holding one row; with gated, weight (and bias) hold
+    [gate; up] rows and the result is silu(gate) * up of that product ([..., N / 2]).
+    Inference only (no backward)."""
+    _check_row(x, weight, bias, gated)
     return _gemv_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), gated)
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(rms_norm(s, norm_weight, eps), weight, bias), s) for one row x [..., K], with
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv(rms_norm(s, norm_weight, eps), weight, bias, gated), s) for one row x [..., K], with
     s = x + residual (residual None: s = x, nothing added): ops.fused_add_rms_norm's arithmetic,
     then gemv's. Inference only (no backward)."""
-    K = weight.shape[-1] if weight.dim() == 2 else -1
-    _check_row(x, weight, bias, K, "K")
+    _check_row(x, weight, bias, gated)
+    K = weight.shape[-1]
     if norm_weight.shape != (K,) or norm_weight.dtype != x.dtype:
         raise ValueError(f"norm_weight must be [K={K}] in x's dtype, got {tuple(norm_weight.shape)} "
                          f"{norm_weight.dtype}")
@@ -155,5 +210,5 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                          f"{residual.dtype}")
     y, summed = _gemv_rms_norm_op(x.contiguous(), residual.contiguous() if residual is not None else None,
                                   norm_weight.contiguous(), float(eps), weight.contiguous(),
-                                  None if bias is None else bias.contiguous())
+                                  None if bias is None else bias.contiguous(), gated)
     return y, summed if residual is not None else x

@@ -1,6 +1,7 @@
 """A few rows through a linear layer: y = x @ W^T for x [M, K] with M up to ~64, W [N, K].
 
     y = skinny_linear(x, weight, bias=None)
+    a = skinny_linear(x, gate_up_weight, gated=True)   # silu(x @ W_gate^T) * (x @ W_up^T)
 
 A decode step over a batch of 2-64 rows multiplies each weight matrix by a few rows: the product
 is bound by streaming the weights once, as at one row (ops/gemv.py), not by arithmetic. Each
@@ -12,7 +13,13 @@ result never depends on timing), adds the bias and rounds once to the output dty
 with programmatic dependent launch, as the other decode kernels do (ops/triton_helpers.py).
 Products are summed in another order than cuBLAS's, so results differ from F.linear's by fp32
 rounding before the final rounding to the output dtype.
+
+gated=True takes a fused [gate; up] weight [2F, K] (an MLP's gate_up_proj) and returns SwiGLU's
+product silu(gate) * up [M, F], as ops/gemv.py does at one row: a program streams W's rows n and
+F + n for its outputs n, and the gate is applied where the sums are rounded, in either kernel.
 """
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,61 +41,107 @@ def faster_than_cublas(rows: int, weight: torch.Tensor) -> bool:
     return 1 < rows <= 64 and weight.numel() < 8 * 2**20 and weight.element_size() == 2
 
 
-def skinny_config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, num_warps, num_stages): 32 outputs per program (64 for
-    N >= 6144), 128-wide tiles along K, pipelined 4 deep; K split in powers of two while there are
-    fewer than TARGET_PROGRAMS programs and each part keeps at least 4 tiles."""
+@dataclass(frozen=True)
+class SkinnyLaunch:
+    block_m: int
+    block_n: int  # outputs per program (gated: gate rows, and as many up rows)
+    block_k: int
+    split: int  # programs along K, each summing k_per_split columns
+    k_per_split: int
+    warps: int
+    stages: int
+
+
+def skinny_launch(M: int, N: int, K: int, gated: bool = False) -> SkinnyLaunch:
+    """32 weight rows per program (64 for N >= 6144 rows), 128-wide tiles along K, pipelined 4
+    deep; K split in powers of two while there are fewer than TARGET_PROGRAMS programs and each
+    part keeps at least 4 tiles (then trimmed so that no part starts past K). N counts W's rows."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
     block_n, block_k = (64 if N >= 6144 else 32), 128
     programs = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
     while programs * split * 2 <= TARGET_PROGRAMS and K // (split * 2) >= 4 * block_k:
         split *= 2
-    return block_m, block_n, block_k, split, 4, 4
+    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    return SkinnyLaunch(block_m, block_n // 2 if gated else block_n, block_k, triton.cdiv(K, k_per_split),
+                        k_per_split, 4, 4)
 
 
 @triton.jit
-def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.constexpr,
+def _gate(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 sums: each sum rounded as the projection's output would be, then
+    silu and the product rounded as ops/silu_mul.py rounds them."""
+    gate = round_to(gate, dtype).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    return silu * round_to(up, dtype).to(tl.float32)
+
+
+@triton.jit
+def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    STORE_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr, PDL: tl.constexpr):
     """Rows m, outputs n, the K_PER_SPLIT columns of program_id(2): y stored, bias added to the
-    fp32 sum; or with STORE_PARTIAL the fp32 sum stored to PARTIAL [SPLIT, M, N]."""
+    fp32 sum; or with STORE_PARTIAL the fp32 sum stored to PARTIAL [SPLIT, M, N] (GATED: the
+    gate's and the up projection's, [SPLIT, M, 2N]). GATED: W and B hold [gate; up], 2N rows."""
     wait_for_prior_kernels(PDL)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
     x_row = m[:, None].to(tl.int64) * K
     w_row = n[:, None].to(tl.int64) * K
+    up_row = (n + N)[:, None].to(tl.int64) * K
     k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(W + w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(X + x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += dot(x, tl.trans(w), IEEE)
-    out = m[:, None].to(tl.int64) * N + n[None, :]
+        if GATED:
+            w_up = tl.load(W + up_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_up += dot(x, tl.trans(w_up), IEEE)
     mask = m_ok[:, None] & n_ok[None, :]
     if not STORE_PARTIAL:
         if HAS_BIAS:
             acc += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + out, round_to(acc, Y.dtype.element_ty), mask=mask)
+            if GATED:
+                acc_up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc = _gate(acc, acc_up, Y.dtype.element_ty)
+        tl.store(Y + m[:, None].to(tl.int64) * N + n[None, :], round_to(acc, Y.dtype.element_ty), mask=mask)
     else:
-        tl.store(PARTIAL + tl.program_id(2).to(tl.int64) * M * N + out, acc, mask=mask)
+        width = 2 * N if GATED else N
+        out = tl.program_id(2).to(tl.int64) * M * width + m[:, None].to(tl.int64) * width + n[None, :]
+        tl.store(PARTIAL + out, acc, mask=mask)
+        if GATED:
+            tl.store(PARTIAL + out + N, acc_up, mask=mask)
 
 
 @triton.jit
-def _sum_splits_kernel(PARTIAL, B, Y, MN, N, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Y = sum over the SPLIT partials in increasing order (+ bias), rounded once."""
+def _sum_splits_kernel(PARTIAL, B, Y, M, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Y [M, N] = the sum over the SPLIT partials in increasing order (+ bias), rounded once;
+    GATED: silu(gate) * up of the summed gate and up halves."""
     wait_for_prior_kernels(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < MN
+    ok = i < M * N
+    row, col = i // N, i % N
+    width = 2 * N if GATED else N
+    src = row.to(tl.int64) * width + col
     acc = tl.zeros([BLOCK], tl.float32)
+    acc_up = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT):
-        acc += tl.load(PARTIAL + s * MN + i, mask=ok, other=0.0)
+        acc += tl.load(PARTIAL + s * M * width + src, mask=ok, other=0.0)
+        if GATED:
+            acc_up += tl.load(PARTIAL + s * M * width + src + N, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(B + i % N, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.load(B + col, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up += tl.load(B + N + col, mask=ok, other=0.0).to(tl.float32)
+    if GATED:
+        acc = _gate(acc, acc_up, Y.dtype.element_ty)
     tl.store(Y + i, round_to(acc, Y.dtype.element_ty), mask=ok)
 
 
@@ -96,39 +149,42 @@ SUM_BLOCK = 1024
 
 
 @torch.library.custom_op("qwen3_ops::skinny_linear", mutates_args=())
-def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    N, K = weight.shape
+def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    rows, K = weight.shape
+    N = rows // 2 if gated else rows  # outputs
     y = x.new_empty(*x.shape[:-1], N)
     M = y.numel() // N if N else 0
     if M == 0:
         return y
-    block_m, block_n, block_k, split, warps, stages = skinny_config(M, N, K)
-    k_per_split = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
-    split = triton.cdiv(K, k_per_split)
-    partial = x.new_empty(split * M * N if split > 1 else 0, dtype=torch.float32)
+    launch = skinny_launch(M, rows, K, gated)
+    partial = x.new_empty(launch.split * M * rows if launch.split > 1 else 0, dtype=torch.float32)
     pdl = use_pdl(x.device)
-    bias_or_x = bias if bias is not None else x
-    _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split)](
-        x, weight, bias_or_x, y, partial, M, N, K, k_per_split, HAS_BIAS=bias is not None, STORE_PARTIAL=split > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=warps,
-        num_stages=stages, launch_pdl=pdl)
-    if split > 1:
+    grid = (triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m), launch.split)
+    _skinny_kernel[grid](
+        x, weight, bias, y, partial, M, N, K, launch.k_per_split, HAS_BIAS=bias is not None, GATED=gated,
+        STORE_PARTIAL=launch.split > 1, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=launch.warps, num_stages=launch.stages, launch_pdl=pdl)
+    if launch.split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
-            partial, bias_or_x, y, M * N, N, HAS_BIAS=bias is not None, SPLIT=split, BLOCK=SUM_BLOCK, PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
+            partial, bias, y, M, N, HAS_BIAS=bias is not None, GATED=gated, SPLIT=launch.split, BLOCK=SUM_BLOCK,
+            PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 
 @_skinny_op.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _(x, weight, bias, gated):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K]: any number of rows, fast for a few. Inference only."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or not weight.shape[1]:
-        raise ValueError(f"skinny_linear takes x [..., K] and weight [N, K] with K >= 1, got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  gated: bool = False) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K]: any number of rows, fast for a few. With gated,
+    weight (and bias) hold [gate; up] rows and the result is silu(gate) * up of that product
+    ([..., N / 2]). Inference only."""
+    if (weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or not weight.shape[1]
+            or (gated and weight.shape[0] % 2)):
+        raise ValueError(f"skinny_linear takes x [..., K] and weight [N, K] with K >= 1"
+                         f"{' and N even (gated)' if gated else ''}, got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
         raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
-    return _skinny_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous())
+    return _skinny_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), gated)

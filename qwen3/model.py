@@ -80,27 +80,36 @@ class FusedLinear(nn.Linear):
 
 
 
-def linear(layer: nn.Linear, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """layer(x). On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and
-    a few rows (a batched decode step) the skinny GEMM where it is faster: both stream the
-    weights faster than cuBLAS's kernels for those shapes (ops/gemv.py, ops/skinny_gemm.py)."""
+def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, gated: bool = False) -> torch.Tensor:
+    """layer(x); with gated (layer an MLP's [gate; up] projection), SwiGLU's silu(gate) * up of it.
+    On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and a few rows
+    (a batched decode step) the skinny GEMM where it is faster: both stream the weights faster
+    than cuBLAS's kernels for those shapes and apply the gate as they round their sums
+    (ops/gemv.py, ops/skinny_gemm.py)."""
     rows = x.numel() // x.shape[-1] if fused else 0
     if rows == 1:
-        return gemv(x, layer.weight, layer.bias)
+        return gemv(x, layer.weight, layer.bias, gated)
     if skinny_gemm.faster_than_cublas(rows, layer.weight):
-        return skinny_gemm.skinny_linear(x, layer.weight, layer.bias)
-    return layer(x)
+        return skinny_gemm.skinny_linear(x, layer.weight, layer.bias, gated)
+    y = layer(x)
+    if not gated:
+        return y
+    if fused:
+        return silu_mul(y)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def normed_linear(norm: "RMSNorm", layer: nn.Linear, h: torch.Tensor, residual: torch.Tensor | None,
-                  fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(layer(norm(s)), s) with s = h + residual (residual None: s = h): a pre-norm block's entry.
-    On the fused path a single row takes one GEMV kernel that adds and normalizes in its prologue
-    (ops/gemv.py's gemv_rms_norm, the norm's own arithmetic): no norm kernel of its own."""
+                  fused: bool, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(layer, norm(s), fused, gated), s) with s = h + residual (residual None: s = h): a
+    pre-norm block's entry. On the fused path a single row takes one GEMV kernel that adds and
+    normalizes in its prologue (ops/gemv.py's gemv_rms_norm, the norm's own arithmetic): no norm
+    kernel of its own."""
     if fused and h.numel() == h.shape[-1]:
-        return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias)
+        return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated)
     h, residual = norm(h, residual) if residual is not None else (norm(h), h)
-    return linear(layer, h, fused), residual
+    return linear(layer, h, fused, gated), residual
 
 
 def stack_fused_parts(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -361,16 +370,11 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(stack_fused_parts)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        return self.down(linear(self.gate_up_proj, x, fused), fused)
+        return self.down(linear(self.gate_up_proj, x, fused, gated=True), fused)
 
-    def down(self, gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """The rest of forward, from the projected [gate | up] [B, T, 2F]."""
-        if fused and gate_up.numel() == gate_up.shape[-1]:  # one row: SwiGLU's product inside the GEMV
-            return gemv(gate_up, self.down_proj.weight, gated=True)
-        if fused:
-            return linear(self.down_proj, silu_mul(gate_up), fused)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def down(self, activation: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """The rest of forward, from silu(gate) * up [B, T, F]."""
+        return linear(self.down_proj, activation, fused)
 
 
 class DecoderLayer(nn.Module):
@@ -391,9 +395,9 @@ class DecoderLayer(nn.Module):
         qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, h, residual, batch.fused)
         h = all_reduce(self.self_attn.attend(qkv, batch, cache), self.tp)
         if isinstance(self.mlp, MLP):
-            gate_up, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
-                                              batch.fused)
-            return all_reduce(self.mlp.down(gate_up, batch.fused), self.tp), residual
+            activation, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual,
+                                                 batch.fused, gated=True)
+            return all_reduce(self.mlp.down(activation, batch.fused), self.tp), residual
         h, residual = self.post_attention_layernorm(h, residual)  # the router and the experts read it
         return all_reduce(self.mlp(h, batch.fused), self.tp), residual
 

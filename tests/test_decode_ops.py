@@ -1,6 +1,6 @@
 """The decode step's Triton kernels (ops/qk_norm_rope.py, decode_attention.py, silu_mul.py, gemv.py,
 skinny_gemm.py) against transformers' own modules and functions (Qwen3RMSNorm, apply_rotary_pos_emb,
-eager attention, SiLU) and torch's nn.Linear."""
+eager attention, SiLU, Qwen3MLP) and torch's nn.Linear."""
 
 from types import SimpleNamespace
 
@@ -12,7 +12,7 @@ from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relativ
 from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ops.decode_attention import decode_attention
+from ops.decode_attention import decode_attention, num_splits
 from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
@@ -114,6 +114,20 @@ def test_decode_attention_equals_transformers(dtype, heads, batch):
     assert_close(actual, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_in_one_slice_per_row_equals_transformers(dtype):
+    """A batch x key/value heads that fills the GPU without splitting: each program writes its
+    row's output itself, with no slices to merge."""
+    B, H, K, hd, S = 64, 16, 16, 16, 9
+    assert num_splits(B, K) == 1
+    q = randn(B, H, hd, dtype=dtype, seed=0)
+    k_cache, v_cache = randn(B, S, K, hd, dtype=dtype, seed=1), randn(B, S, K, hd, dtype=dtype, seed=2)
+    seq_lens = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        assert_close(decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5),
+                     hf_attention(q, k_cache, v_cache, seq_lens, hd**-0.5))
+
+
 def test_decode_attention_reads_nothing_past_a_row_length():
     """NaN in every slot past each row's length changes nothing: those slots are never read."""
     q = randn(2, 4, 32, dtype=torch.float32, seed=0)
@@ -149,10 +163,12 @@ def test_silu_mul_equals_transformers(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(77, 300), (4096, 1024), (96, 2048)])
+@pytest.mark.parametrize("shape", [(77, 300), (4096, 1024), (96, 2048), (2100, 4000)],
+                         ids=["small", "0.6b-qkv", "wide", "large-no-preload"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_linear(dtype, shape, bias):
-    """One row through a linear layer, as a batch-1 decode step's projections are computed."""
+    """One row through a linear layer, as a batch-1 decode step's projections are computed (the
+    last shape over 8M weights: the launch for large matrices, its first tile not preloaded)."""
     N, K = shape
     layer = torch.nn.Linear(K, N, bias=bias).to(DEVICE, dtype)
     x = randn(1, 1, K, dtype=dtype, seed=0)
@@ -180,15 +196,45 @@ def test_skinny_linear_equals_linear(dtype, rows, N, K, bias):
         skinny_linear(x[..., :-1], layer.weight)
 
 
+def hf_mlp(D: int, F: int, dtype, seed: int) -> hf.Qwen3MLP:
+    """transformers' Qwen3MLP with seeded weights."""
+    torch.manual_seed(seed)
+    return hf.Qwen3MLP(hf_config(hidden_size=D, intermediate_size=F)).to(DEVICE, dtype).eval()
+
+
+def swiglu(mlp: hf.Qwen3MLP, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3MLP up to its down projection: act_fn(gate_proj(x)) * up_proj(x)."""
+    return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+
+
+def gate_up_weight(mlp: hf.Qwen3MLP) -> torch.Tensor:
+    """The [gate; up] weight [2F, D] of our fused gate_up_proj."""
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_gemv_equals_transformers_mlp_down_projection(dtype):
-    """gemv(gate_up, down, gated=True) = down_proj(silu(gate) * up), transformers' Qwen3MLP tail."""
-    F_, D = 160, 64
-    gate_up = 3 * randn(1, 1, 2 * F_, dtype=dtype, seed=0)
-    down = torch.nn.Linear(F_, D, bias=False).to(DEVICE, dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
+@pytest.mark.parametrize("D, F", [(64, 160), (1100, 40)], ids=["small", "looped"])
+def test_gated_gemv_equals_transformers_swiglu(dtype, D, F):
+    """gemv(x, [gate; up], gated=True) = act_fn(gate_proj(x)) * up_proj(x), transformers' Qwen3MLP
+    before its down projection (one row, as a batch-1 decode step computes it)."""
+    mlp = hf_mlp(D, F, dtype, seed=0)
+    x = 3 * randn(1, 1, D, dtype=dtype, seed=1)
     with torch.no_grad():
-        assert_close(gemv(gate_up, down.weight, gated=True), down(ACT2FN["silu"](gate) * up))
+        assert_close(gemv(x, gate_up_weight(mlp), gated=True), swiglu(mlp, x))
+    with pytest.raises(ValueError, match="N even"):
+        gemv(x, gate_up_weight(mlp)[:-1], gated=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, D, F", [(5, 64, 160), (64, 2048, 48), (3, 300, 3000)],
+                         ids=["small", "split-k", "wide"])
+def test_gated_skinny_linear_equals_transformers_swiglu(dtype, rows, D, F):
+    """skinny_linear(x, [gate; up], gated=True) = transformers' act_fn(gate_proj(x)) * up_proj(x),
+    with its K split over programs (the gate applied after the partial sums are added) or not."""
+    mlp = hf_mlp(D, F, dtype, seed=2)
+    x = 3 * randn(rows, 1, D, dtype=dtype, seed=3)
+    with torch.no_grad():
+        assert_close(skinny_linear(x, gate_up_weight(mlp), gated=True), swiglu(mlp, x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,3 +255,19 @@ def test_gemv_rms_norm_equals_transformers_residual_add_norm_and_projection(dtyp
         assert_close(y, layer(norm(summed)))
     with pytest.raises(ValueError, match="norm_weight must be"):
         gemv_rms_norm(x, None, norm.weight[:-1], 1e-6, layer.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_rms_norm_equals_transformers_norm_and_swiglu(dtype):
+    """The batch-1 MLP entry: gemv_rms_norm(x, r, norm, eps, [gate; up], gated=True) =
+    act_fn(gate_proj(n)) * up_proj(n) with n = Qwen3RMSNorm(r + x)."""
+    D, F = 1024, 96
+    norm = hf.Qwen3RMSNorm(D, eps=1e-6).to(DEVICE, dtype)
+    mlp = hf_mlp(D, F, dtype, seed=4)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * randn(D, dtype=dtype, seed=5))
+    x, r = 4 * randn(1, 1, D, dtype=dtype, seed=6), 4 * randn(1, 1, D, dtype=dtype, seed=7)
+    with torch.no_grad():
+        y, s = gemv_rms_norm(x, r, norm.weight, norm.variance_epsilon, gate_up_weight(mlp), gated=True)
+        assert torch.equal(s, r + x)
+        assert_close(y, swiglu(mlp, norm(r + x)))

@@ -30,9 +30,9 @@ def run_compiled(test_name: str, dtype: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, floats=()) -> None:
+def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, floats=(), **options) -> None:
     """Compile `kernel` with the named pointer arguments typed as given, `floats` as fp32, every
-    other runtime argument as i32, and the constexprs bound."""
+    other runtime argument as i32, the constexprs bound, and compile `options` (num_stages=...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +45,8 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, float
             signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                   options=options)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -71,10 +72,11 @@ def test_decode_attention_kernels_compile(dtype):
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "OUT": f"*{dtype}", "SEQ_LENS": "*i64",
                 "O_PART": "*fp32", "LSE_PART": "*fp32"}
     pointers["BLOCK_TABLE"] = "*i64"  # the engine's block tables are int64
-    for paged in (False, True):  # rows of one cache tensor, or blocks of a paged cache
+    # rows of one cache tensor or blocks of a paged cache; slices to merge, or one slice per row
+    for paged, splits in ((False, 32), (True, 32), (False, 1), (True, 1)):
         compile_for_hopper(decode_attention._split_kernel, pointers,
-                           dict(PAGED=paged, PAGE=16, N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=32,
-                                BLOCK_N=64, FP32=dtype == "fp32", PDL=True), floats=("scale",))
+                           dict(PAGED=paged, PAGE=16, N_KV=8, GROUP=2, BLOCK_G=16, HD=128, BLOCK_HD=128, SPLITS=splits,
+                                BLOCK_N=64, FP32=dtype == "fp32", PDL=True), floats=("scale",), num_stages=2)
     compile_for_hopper(decode_attention._merge_kernel, pointers, dict(SPLITS=32, BLOCK_SPLITS=32, HD=128,
                                                                       BLOCK_HD=128, PDL=True))
 
@@ -86,11 +88,13 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
     from ops import gemv, silu_mul
 
     pointers = {name: f"*{dtype}" for name in ("X", "R", "NW", "S", "W", "B", "Y", "GATE_UP", "OUT")}
-    variants = ((True, False, False), (False, False, False), (False, True, True), (False, True, False))
+    # (gated, norm, residual): the gated gate/up projection with the norm in front at batch 1, the others
+    variants = ((True, True, True), (True, False, False), (False, False, False), (False, True, True),
+                (False, True, False))
     for gated, norm, residual in variants:
-        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not gated, GATED=gated, NORM=norm,
+        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not norm, GATED=gated, NORM=norm,
                                                               HAS_RESIDUAL=residual, BLOCK_N=8, BLOCK_K=512,
-                                                              PDL=True),
+                                                              PRELOAD=gated or norm, PDL=True),
                            floats=("eps",))
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
 
@@ -102,11 +106,15 @@ def test_skinny_gemm_kernels_compile(dtype):
     from ops import skinny_gemm
 
     pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32"}
-    for bias, partial, block_m in ((True, False, 16), (False, True, 64), (True, True, 32)):
+    # as launched: 4 stages, 32 or 64 outputs a program (16 or 32 gated), partial sums or not
+    for bias, gated, partial, block_m, block_n in ((True, False, False, 16, 64), (False, False, True, 64, 32),
+                                                   (False, True, False, 64, 32), (True, True, True, 32, 16)):
         compile_for_hopper(skinny_gemm._skinny_kernel, pointers,
-                           dict(HAS_BIAS=bias, STORE_PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=128,
-                                IEEE=dtype == "fp32", PDL=True))
-    compile_for_hopper(skinny_gemm._sum_splits_kernel, pointers, dict(HAS_BIAS=True, SPLIT=4, BLOCK=1024, PDL=True))
+                           dict(HAS_BIAS=bias, GATED=gated, STORE_PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=block_n,
+                                BLOCK_K=128, IEEE=dtype == "fp32", PDL=True), num_stages=4)
+    for gated in (False, True):
+        compile_for_hopper(skinny_gemm._sum_splits_kernel, pointers,
+                           dict(HAS_BIAS=True, GATED=gated, SPLIT=4, BLOCK=1024, PDL=True))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
