@@ -5,9 +5,14 @@ Prompts of different lengths come padded (left or right) with an attention mask 
 them, so a row generates what it would alone.
 
 On CUDA the decode step is captured once in a CUDA graph and replayed for every later token:
-one launch for the whole model instead of a few hundred. The host never waits for the GPU
-inside the loop, except to hand tokens to `on_token` (one step behind, while the GPU computes
-the next) and to check every few steps whether all rows have stopped.
+one launch for the model and the choice of the next token (penalties, filters and the draw, or
+the argmax) instead of a few hundred. Each step writes its tokens where the next step reads its
+input, so the host only replays the graph and copies the tokens out. The host stays one step
+ahead of the GPU: each step's tokens and stop flags are copied to the host behind it, and the
+host waits for that copy only (an event), while the GPU computes the next step, to call
+`on_token` and to see whether every row has stopped. Reading a device tensor directly would
+wait for everything queued, the next step too, and leave the GPU idle while the host queues the
+one after.
 
 Under tensor parallelism every rank runs this same loop: the forward ends with the full logits
 on every rank, and each samples from them with the same seed (drawn on rank 0 when the caller
@@ -25,7 +30,6 @@ from .sampling import SamplingParams, next_token
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
 LIBRARY_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
-STOP_CHECK_EVERY = 8  # decode steps between checks (each a host-device sync) that every row has stopped
 
 
 def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
@@ -76,37 +80,78 @@ def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
-class DecodeStep:
-    """One token per row through the model: ids [B, 1] at positions [B, 1] -> logits [B, V],
-    keys and values written to the cache at those positions. With `graph`, the step is captured
-    in a CUDA graph on its first call and replayed after, its inputs copied into fixed buffers
-    (the returned logits are overwritten by the next call)."""
+class TokenChoice:
+    """Picks each step's token per row from its logits and keeps the stop state, all on the
+    device: the step count, each row's stop step, and the tokens seen (for the penalties). A row
+    that has stopped gets `pad`. Calls must come in step order (the prefill's first)."""
 
-    def __init__(self, model, cache: KVCache, graph: bool):
-        self.model, self.cache = model, cache
+    NEVER = torch.iinfo(torch.long).max  # finished_at of a row still running
+
+    def __init__(self, input_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, params: SamplingParams,
+                 generator: torch.Generator | None, eos: torch.Tensor, pad: int):
+        B, device = input_ids.shape[0], input_ids.device
+        self.params, self.generator, self.eos, self.pad = params, generator, eos, pad
+        self.rows = torch.arange(B, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # the step the next call chooses for
+        self.finished_at = torch.full((B,), self.NEVER, dtype=torch.long, device=device)  # step of each row's stop
+        self.seen = None
+        if params.penalized:  # [B, V]: tokens in the prompt or generated so far
+            self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+            self.seen.scatter_(1, input_ids.masked_fill(~valid, 0), valid)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens [B] for this step from logits [B, V]."""
+        new = next_token(logits, self.seen, self.params, self.generator)
+        new = torch.where(self.finished_at < self.step, self.pad, new)  # rows already stopped are padded
+        if self.seen is not None:
+            self.seen[self.rows, new] |= self.finished_at >= self.step
+        # Written with where: isin and a masked_fill by a tensor value read back to the host,
+        # which a captured graph cannot do.
+        stops = (self.finished_at == self.NEVER) & (new[:, None] == self.eos[None, :]).any(-1)
+        self.finished_at.copy_(torch.where(stops, self.step, self.finished_at))
+        self.step += 1
+        return new
+
+
+class DecodeStep:
+    """One token per row: the model over the last tokens `ids` [B, 1] at `positions` [B, 1] (their
+    keys and values written to the cache there), then `choose` on the logits. Its tokens become
+    the next call's ids, and the positions advance by one. With `graph`, the whole step is
+    captured in a CUDA graph on its first call and replayed after; either way the returned tokens
+    [B] are a buffer that the next call overwrites."""
+
+    def __init__(self, model, cache: KVCache, choose: TokenChoice, ids: torch.Tensor, positions: torch.Tensor,
+                 graph: bool):
+        self.model, self.cache, self.choose = model, cache, choose
+        self.ids, self.positions = ids.clone(), positions.clone()  # [B, 1]: this step's input, updated in place
         self.graph: torch.cuda.CUDAGraph | None = None
         self.use_graph = graph
-        batch, device = cache.batch, model.lm_head.weight.device
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.logits: torch.Tensor | None = None
+        self.tokens: torch.Tensor | None = None
 
-    def _step(self) -> torch.Tensor:
+    def _forward(self) -> torch.Tensor:
         return self.model(self.ids, self.positions, cache=self.cache, last_only=True)[:, -1]
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _step(self) -> torch.Tensor:
+        tokens = self.choose(self._forward())
+        self.ids.copy_(tokens[:, None])
+        self.positions += 1
+        return tokens
+
+    def __call__(self) -> torch.Tensor:
         if not self.use_graph:
-            return self.model(ids, positions, cache=self.cache, last_only=True)[:, -1]
-        self.ids.copy_(ids)
-        self.positions.copy_(positions)
+            return self._step()
         if self.graph is None:
             with torch.cuda.device(self.ids.device):  # streams and the capture belong to the model's GPU
-                warm_up_on_a_side_stream(self._step)  # writes the slots the first replay writes again
+                # The forward alone: it writes the cache slots the first replay writes again, and
+                # leaves the choice's state (its step, its random draws) as it was.
+                warm_up_on_a_side_stream(self._forward)
                 self.graph = torch.cuda.CUDAGraph()
+                if self.choose.generator is not None:  # its draws advance with every replay
+                    self.graph.register_generator_state(self.choose.generator)
                 with torch.cuda.graph(self.graph):
-                    self.logits = self._step()
+                    self.tokens = self._step()
         self.graph.replay()
-        return self.logits
+        return self.tokens
 
 
 def check_padding(attention_mask: torch.Tensor) -> None:
@@ -180,40 +225,49 @@ def generate(
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: each row counts its own tokens
     next_positions = valid.sum(1, keepdim=True)  # [B, 1]
-    penalized = params.penalized
-    seen = None
-    if penalized:  # [B, V]: tokens in the prompt or generated so far
-        seen = torch.zeros(B, config.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, input_ids.masked_fill(~valid, 0), valid)
+    choose = TokenChoice(input_ids, valid, config.vocab_size, params, generator, eos, pad)
 
     cache = KVCache.for_model(model, B, int(next_positions.max()) + max_new_tokens)
     logits = model(input_ids, positions, cache=cache, attention_mask=attention_mask, last_only=True)[:, -1]
-    step = DecodeStep(model, cache, graph=cuda_graph)
-    never = torch.iinfo(torch.long).max
-    finished_at = torch.full((B,), never, dtype=torch.long, device=device)  # step at which each row stopped
-    tokens: list[torch.Tensor] = []
+    first = choose(logits)
 
-    def choose(logits: torch.Tensor, i: int) -> torch.Tensor:
-        new = next_token(logits, seen, params, generator)
-        new = torch.where(finished_at < i, pad, new)  # rows already stopped are padded
-        if penalized:
-            seen[torch.arange(B, device=device), new] |= finished_at >= i
-        finished_at.masked_fill_((finished_at == never) & torch.isin(new, eos), i)
-        tokens.append(new)
-        return new
+    def to_host(tokens: torch.Tensor):
+        """This step's tokens and every row's stop step, as copies on the host with an event that
+        marks them ready: waiting for it waits for this step only, not for the step queued after."""
+        ready = torch.cuda.Event() if device.type == "cuda" else None
+        copies = (tokens.to("cpu", non_blocking=True, copy=True),
+                  choose.finished_at.to("cpu", non_blocking=True, copy=True))
+        if ready is not None:
+            ready.record()
+        return copies, ready
 
-    new = choose(logits, 0)
-    if on_token is not None:  # the first token as soon as the prefill gives it, before any graph capture
-        on_token(tokens[0])
+    host_tokens: list[torch.Tensor] = []  # [B] per step, on the host
+    finished_at = None  # the host's copy of the stop steps, as of the last step read
+
+    def read(published) -> bool:
+        """Take in a to_host result (waiting for it), stream it; whether every row has stopped."""
+        nonlocal finished_at
+        (tokens, finished_at), ready = published
+        if ready is not None:
+            ready.synchronize()
+        host_tokens.append(tokens)
+        if on_token is not None:
+            on_token(tokens)
+        return bool((finished_at != TokenChoice.NEVER).all())
+
+    # The first token as soon as the prefill gives it, before any graph capture.
+    all_stopped = read(to_host(first))
+    step = DecodeStep(model, cache, choose, first[:, None], next_positions, graph=cuda_graph)
+    previous = None
     for i in range(1, max_new_tokens + 1):
-        if i < max_new_tokens:  # queue step i on the GPU before looking at step i - 1's token
-            new = choose(step(new[:, None], next_positions), i)
-            next_positions = next_positions + 1
-        if on_token is not None and i > 1:
-            on_token(tokens[i - 1])
-        if (on_token is not None or i % STOP_CHECK_EVERY == 0) and bool((finished_at <= i - 1).all()):
+        if all_stopped:
             break
-    n = len(tokens)
-    if bool((finished_at != never).all()):  # all stopped: the steps after the last stop are padding
+        # Queue step i on the GPU before looking at step i - 1's tokens.
+        current = to_host(step()) if i < max_new_tokens else None
+        if previous is not None:
+            all_stopped = read(previous)
+        previous = current
+    n = len(host_tokens)
+    if all_stopped:  # the steps after the last stop are padding
         n = int(finished_at.max()) + 1
-    return torch.cat([input_ids, torch.stack(tokens[:n], dim=1)], dim=1)
+    return torch.cat([input_ids, torch.stack(host_tokens[:n], dim=1).to(device)], dim=1)
