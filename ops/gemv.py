@@ -116,10 +116,15 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         tile_ok = n_ok[:, None] & k_ok[None, :]
-        x = _input_tile(X, R, NW, k, k_ok, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
-        acc += tl.load(rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32) * x
+        # The weight tiles are loaded first: their loads from memory are the long ones, and the
+        # input row's (from L2) then wait in their shadow, not before them.
+        w = tl.load(rows + k[None, :], mask=tile_ok, other=0.0)
         if GATED:
-            acc_up += tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32) * x
+            w_up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0)
+        x = _input_tile(X, R, NW, k, k_ok, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
+        acc += w.to(tl.float32) * x
+        if GATED:
+            acc_up += w_up.to(tl.float32) * x
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:  # added to the fp32 sum, rounded once
         y += tl.load(B + n, mask=n_ok, other=0.0).to(tl.float32)
