@@ -39,7 +39,8 @@ for stage in $stages; do
       tail -n 3 "$out/gpu-tests.log" ;;
     gpu-tests)
       timeout 540 python -m pytest -q tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
-        tests/test_model.py tests/test_generation.py tests/test_moe.py tests/test_engine.py > "$out/gpu-tests.log" 2>&1
+        tests/test_model.py tests/test_generation.py tests/test_sampling.py tests/test_moe.py tests/test_engine.py \
+        tests/test_kernels_compile.py > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
     bench)
       timeout 540 python scripts/bench_rmsnorm.py --out "$out/bench" ${COMMIT:+--commit "$COMMIT"} > "$out/bench.log" 2>&1
