@@ -231,43 +231,46 @@ def generate(
     logits = model(input_ids, positions, cache=cache, attention_mask=attention_mask, last_only=True)[:, -1]
     first = choose(logits)
 
-    def to_host(tokens: torch.Tensor):
-        """This step's tokens and every row's stop step, as copies on the host with an event that
-        marks them ready: waiting for it waits for this step only, not for the step queued after."""
-        ready = torch.cuda.Event() if device.type == "cuda" else None
-        copies = (tokens.to("cpu", non_blocking=True, copy=True),
-                  choose.finished_at.to("cpu", non_blocking=True, copy=True))
-        if ready is not None:
-            ready.record()
-        return copies, ready
+    # Each step's tokens and every row's stop step land in their own row of these host buffers
+    # (pinned on CUDA, so that the copies run behind the GPU's work without a wait).
+    pinned = device.type == "cuda"
+    host_tokens = torch.empty(max_new_tokens, B, dtype=torch.long, pin_memory=pinned)
+    host_stops = torch.empty(max_new_tokens, B, dtype=torch.long, pin_memory=pinned)
 
-    host_tokens: list[torch.Tensor] = []  # [B] per step, on the host
-    finished_at = None  # the host's copy of the stop steps, as of the last step read
+    def to_host(i: int, tokens: torch.Tensor) -> tuple[int, torch.cuda.Event | None]:
+        """Queue the copies of step i's tokens and stop steps to the host, with an event that marks
+        them done: waiting for it waits for this step only, not for the step queued after."""
+        host_tokens[i].copy_(tokens, non_blocking=pinned)
+        host_stops[i].copy_(choose.finished_at, non_blocking=pinned)
+        ready = None
+        if pinned:  # on the stream of the model's GPU, which may not be the current device
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        return i, ready
 
     def read(published) -> bool:
-        """Take in a to_host result (waiting for it), stream it; whether every row has stopped."""
-        nonlocal finished_at
-        (tokens, finished_at), ready = published
+        """Wait for a to_host's copies, stream the tokens; whether every row had stopped by then."""
+        i, ready = published
         if ready is not None:
             ready.synchronize()
-        host_tokens.append(tokens)
         if on_token is not None:
-            on_token(tokens)
-        return bool((finished_at != TokenChoice.NEVER).all())
+            on_token(host_tokens[i])
+        return bool((host_stops[i] != TokenChoice.NEVER).all())
 
     # The first token as soon as the prefill gives it, before any graph capture.
-    all_stopped = read(to_host(first))
+    n = 1
+    all_stopped = read(to_host(0, first))
     step = DecodeStep(model, cache, choose, first[:, None], next_positions, graph=cuda_graph)
     previous = None
     for i in range(1, max_new_tokens + 1):
         if all_stopped:
             break
         # Queue step i on the GPU before looking at step i - 1's tokens.
-        current = to_host(step()) if i < max_new_tokens else None
+        current = to_host(i, step()) if i < max_new_tokens else None
         if previous is not None:
             all_stopped = read(previous)
+            n = previous[0] + 1
         previous = current
-    n = len(host_tokens)
     if all_stopped:  # the steps after the last stop are padding
-        n = int(finished_at.max()) + 1
-    return torch.cat([input_ids, torch.stack(host_tokens[:n], dim=1).to(device)], dim=1)
+        n = int(host_stops[n - 1].max()) + 1
+    return torch.cat([input_ids, host_tokens[:n].T.to(device)], dim=1)

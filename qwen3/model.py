@@ -601,7 +601,7 @@ class Qwen3ForCausalLM(nn.Module):
         eos_token_id: stop ids (default: generation_config's, else the config's). A row stops at
             its first; it is padded with pad_token_id (default: the first eos id) until all stop.
         seed: reproducible sampling.
-        on_token: called with the new ids [B] of each step, in order, for streaming.
+        on_token: called with the new ids [B] of each step (a tensor on the host), in order, for streaming.
         cuda_graph: replay the decode step from a CUDA graph (default: on for CUDA, off otherwise).
         """
         from .generation import generate

@@ -101,6 +101,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     probs / q with q ~ Exp(1) per entry (the first of independent exponential clocks to ring).
     It is torch.multinomial(probs, 1)'s own algorithm, the same draws from the same generator,
     without the check that first reads the probabilities back to the host: that wait for the GPU
-    would come once a token and leave the GPU idle while the host queues the next step."""
+    would come once a token and leave the GPU idle while the host queues the next step. So a row
+    that is not a distribution (NaN logits from a broken model) yields some token instead of an
+    error."""
     clocks = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / clocks).argmax(-1)

@@ -166,6 +166,19 @@ def test_graphed_decoding_equals_eager_decoding_in_fp32(models, norm_impl):
     assert torch.equal(graphed, eager)
 
 
+@requires_cuda
+def test_graphed_token_choice_equals_eager_with_penalties_and_stops(models):
+    """The token choice inside the graph (the tokens seen for the penalty, each row's stop step,
+    the padding after it) chooses what the eager loop chooses."""
+    _, ours = models
+    ids, mask = left_pad(prompts([5, 30, 17], ours.config.vocab_size, seed=13))
+    free = ours.generate(ids, attention_mask=mask, max_new_tokens=40, temperature=0.0, repetition_penalty=1.3,
+                         eos_token_id=[], cuda_graph=False)
+    eos = int(free[1, ids.shape[1] + 9])  # row 1's tenth token: rows stop at different steps
+    kwargs = dict(attention_mask=mask, max_new_tokens=40, temperature=0.0, repetition_penalty=1.3, eos_token_id=eos)
+    assert torch.equal(ours.generate(ids, **kwargs), ours.generate(ids, **kwargs, cuda_graph=False))
+
+
 def test_stops_per_row_at_eos_and_pads(models):
     _, ours = models
     ids, mask = left_pad(prompts([4, 7], ours.config.vocab_size, seed=3))
