@@ -18,9 +18,7 @@ with the H / K query heads that share that key/value head as the rows of its mat
 (padded to 16, the smallest tl.dot); a second kernel merges the slices by their log-sum-exp.
 Splitting fills the GPU when batch x K is small; the slice length follows seq_lens on the device.
 Where batch x K alone fills it (one slice per row), the programs write the output themselves
-and there is no merge. (Merging in the split kernel, by whichever program finishes a row's
-slices last, measured slower: that program's merge runs after its own slice, where the merge
-kernel's programs run side by side; docs/benchmarks/decode-notes.md.)
+and there is no merge.
 """
 
 import torch

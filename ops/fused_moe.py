@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, round_to, use_pdl, wait_for_prior_kernels
+from .triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 
@@ -116,10 +116,7 @@ def _gate_up_kernel(X, W13, H, ORDER, TILE_EXPERT, TILE_ROW0, TILE_ROW_END, D, I
         gate += dot(x, w_gate, IEEE)
         up += dot(x, w_up, IEEE)
     dtype = H.dtype.element_ty
-    gate = round_to(gate, dtype).to(tl.float32)
-    up = round_to(up, dtype).to(tl.float32)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-    out = round_to(silu * up, dtype)
+    out = round_to(swiglu(gate, up, dtype), dtype)
     tl.store(H + rows[:, None].to(tl.int64) * I + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -187,10 +184,7 @@ def _gate_up_pair_kernel(X, W13, H, TOPK_IDS, D, I, TOP_K: tl.constexpr,  # noqa
         gate += tl.sum(w_gate.to(tl.float32) * x[None, :], axis=1)
         up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
     dtype = H.dtype.element_ty
-    gate = round_to(gate, dtype).to(tl.float32)
-    up = round_to(up, dtype).to(tl.float32)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-    tl.store(H + pair * I + cols, round_to(silu * up, dtype), mask=col_ok)
+    tl.store(H + pair * I + cols, round_to(swiglu(gate, up, dtype), dtype), mask=col_ok)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
+from .triton_helpers import round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["gemv", "gemv_rms_norm"]
 
@@ -45,9 +45,9 @@ class GemvLaunch:
 def gemv_config(N: int, K: int) -> GemvLaunch:
     """The launch for N weight rows of K. Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 rows
     per program, 1024-wide strides along K, so that many programs stream at once, and the first
-    tile preloaded. Large ones (8B's): programs of 4-32 rows, enough to cover the SMs twice,
-    512 wide, no preload (their kernels measured slower with it). docs/benchmarks/decode-notes.md
-    has the measurements behind each rule."""
+    tile preloaded (a kernel of a few microseconds hides its first loads behind the previous
+    kernel's end). Large ones (8B's): programs of 4-32 rows, enough to cover the SMs twice, 512
+    wide, as measured: without the preload. docs/benchmarks/decode-notes.md has the measurements."""
     if N * K < 8 * 2**20:
         return GemvLaunch((2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4, True)
     block_n = 4
@@ -81,7 +81,8 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     rows = W + n[:, None].to(tl.int64) * K  # gate rows when GATED
-    up_rows = W + (n + N)[:, None].to(tl.int64) * K
+    if GATED:
+        up_rows = W + (n + N)[:, None].to(tl.int64) * K
     dtype = W.dtype.element_ty
     # PRELOAD: no kernel writes the weights, so the first tiles may be loaded before waiting for
     # the kernel that writes X, their loads overlapping that kernel's last microseconds.
@@ -105,7 +106,8 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
             squares += x.to(tl.float32) * x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if PRELOAD:  # the preloaded tile's products
         k = tl.arange(0, BLOCK_K)
         x = _input_tile(X, R, NW, k, k < K, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
@@ -132,9 +134,7 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
         up = tl.sum(acc_up, axis=1)
         if HAS_BIAS:
             up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)
-        gate = round_to(y, dtype).to(tl.float32)
-        silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-        y = silu * round_to(up, dtype).to(tl.float32)
+        y = swiglu(y, up, dtype)
     tl.store(Y + n, round_to(y, Y.dtype.element_ty), mask=n_ok)
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to
+from .triton_helpers import round_to, swiglu
 
 __all__ = ["silu_mul"]
 
@@ -25,8 +25,7 @@ def _silu_mul_kernel(GATE_UP, OUT, F, BLOCK: tl.constexpr):
     dtype = OUT.dtype.element_ty
     gate = tl.load(GATE_UP + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(GATE_UP + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-    tl.store(OUT + row * F + cols, round_to(silu * up, dtype), mask=ok)
+    tl.store(OUT + row * F + cols, round_to(swiglu(gate, up, dtype), dtype), mask=ok)
 
 
 @torch.library.custom_op("qwen3_ops::silu_mul", mutates_args=())

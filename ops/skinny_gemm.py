@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, round_to, use_pdl, wait_for_prior_kernels
+from .triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["faster_than_cublas", "skinny_linear"]
 
@@ -68,15 +68,6 @@ def skinny_launch(M: int, N: int, K: int, gated: bool = False) -> SkinnyLaunch:
 
 
 @triton.jit
-def _gate(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up from fp32 sums: each sum rounded as the projection's output would be, then
-    silu and the product rounded as ops/silu_mul.py rounds them."""
-    gate = round_to(gate, dtype).to(tl.float32)
-    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
-    return silu * round_to(up, dtype).to(tl.float32)
-
-
-@triton.jit
 def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                    STORE_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -89,10 +80,11 @@ def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.const
     m_ok, n_ok = m < M, n < N
     x_row = m[:, None].to(tl.int64) * K
     w_row = n[:, None].to(tl.int64) * K
-    up_row = (n + N)[:, None].to(tl.int64) * K
     k_start = tl.program_id(2) * K_PER_SPLIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GATED:  # the up rows n + N beside the gate rows n
+        up_row = (n + N)[:, None].to(tl.int64) * K
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -109,7 +101,7 @@ def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.const
             if GATED:
                 acc_up += tl.load(B + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc = _gate(acc, acc_up, Y.dtype.element_ty)
+            acc = swiglu(acc, acc_up, Y.dtype.element_ty)
         tl.store(Y + m[:, None].to(tl.int64) * N + n[None, :], round_to(acc, Y.dtype.element_ty), mask=mask)
     else:
         width = 2 * N if GATED else N
@@ -131,7 +123,8 @@ def _sum_splits_kernel(PARTIAL, B, Y, M, N, HAS_BIAS: tl.constexpr, GATED: tl.co
     width = 2 * N if GATED else N
     src = row.to(tl.int64) * width + col
     acc = tl.zeros([BLOCK], tl.float32)
-    acc_up = tl.zeros([BLOCK], tl.float32)
+    if GATED:
+        acc_up = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(PARTIAL + s * M * width + src, mask=ok, other=0.0)
         if GATED:
@@ -141,7 +134,7 @@ def _sum_splits_kernel(PARTIAL, B, Y, M, N, HAS_BIAS: tl.constexpr, GATED: tl.co
         if GATED:
             acc_up += tl.load(B + N + col, mask=ok, other=0.0).to(tl.float32)
     if GATED:
-        acc = _gate(acc, acc_up, Y.dtype.element_ty)
+        acc = swiglu(acc, acc_up, Y.dtype.element_ty)
     tl.store(Y + i, round_to(acc, Y.dtype.element_ty), mask=ok)
 
 

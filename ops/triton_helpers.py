@@ -49,6 +49,16 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def swiglu(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32 from fp32 gate and up, rounded as transformers' `act_fn(gate) * up`
+    rounds in dtype: gate and up to dtype (as the projections' outputs are), silu to dtype; the
+    caller rounds the product."""
+    gate = round_to(gate, dtype).to(tl.float32)
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype).to(tl.float32)
+    return silu * round_to(up, dtype).to(tl.float32)
+
+
+@triton.jit
 def dot(a, b, IEEE: tl.constexpr):
     """tl.dot accumulating in fp32; IEEE: fp32 operands multiplied in full fp32, not TF32 (fp32
     models are held to fp32 parity). Triton's CPU interpreter multiplies 16-bit operands wrongly

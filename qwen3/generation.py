@@ -117,8 +117,8 @@ class DecodeStep:
     """One token per row: the model over the last tokens `ids` [B, 1] at `positions` [B, 1] (their
     keys and values written to the cache there), then `choose` on the logits. Its tokens become
     the next call's ids, and the positions advance by one. With `graph`, the whole step is
-    captured in a CUDA graph on its first call and replayed after; either way the returned tokens
-    [B] are a buffer that the next call overwrites."""
+    captured in a CUDA graph on its first call and replayed after, and the returned tokens [B] are
+    a buffer that the next call overwrites."""
 
     def __init__(self, model, cache: KVCache, choose: TokenChoice, ids: torch.Tensor, positions: torch.Tensor,
                  graph: bool):
