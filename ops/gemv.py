@@ -37,23 +37,15 @@ class GemvLaunch:
     block_n: int  # weight rows per program
     block_k: int
     warps: int
-    # Load the first weight tile before waiting for the kernel before (programmatic dependent
-    # launch), so that a kernel of a few microseconds overlaps its first loads with that kernel's end.
-    preload: bool
 
 
 def gemv_config(N: int, K: int) -> GemvLaunch:
-    """The launch for N weight rows of K. Small matrices (Qwen3-0.6B's, < 8M weights): 2-4 rows
-    per program, 1024-wide strides along K, so that many programs stream at once, and the first
-    tile preloaded (a kernel of a few microseconds hides its first loads behind the previous
-    kernel's end). Large ones (8B's): programs of 4-32 rows, enough to cover the SMs twice, 512
-    wide, as measured: without the preload. docs/benchmarks/decode-notes.md has the measurements."""
-    if N * K < 8 * 2**20:
-        return GemvLaunch((2 if N <= 4096 else 4), min(1024, triton.next_power_of_2(K)), 4, True)
-    block_n = 4
-    while block_n < 32 and N // (block_n * 2) >= 264:
-        block_n *= 2
-    return GemvLaunch(block_n, min(512, triton.next_power_of_2(K)), 4, False)
+    """The launch for N weight rows of K: 1024-wide strides along K, and few rows per program, so
+    that many programs stream at once: 2 for small matrices of up to 4096 rows (Qwen3-0.6B's, under
+    8M weights), 4 otherwise (Qwen3-8B's, where 2 rows, or 8 or more with 512-wide strides,
+    stream slower). docs/benchmarks/decode-notes.md has the measurements."""
+    block_n = 2 if N * K < 8 * 2**20 and N <= 4096 else 4
+    return GemvLaunch(block_n, min(1024, triton.next_power_of_2(K)), 4)
 
 
 @triton.jit
@@ -71,7 +63,7 @@ def _input_tile(X, R, NW, k, k_ok, rstd, dtype: tl.constexpr, NORM: tl.constexpr
 @triton.jit
 def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                  NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """Outputs n of this program: y[n] = x . W[n] (+ B[n]), rounded once.
     GATED: W is [gate; up] (2N rows, B 2N values) and y[n] = silu(gate[n]) * up[n], gate[n] and
     up[n] each rounded as the projection's output would be, then the product as ops/silu_mul.py
@@ -84,14 +76,13 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
     if GATED:
         up_rows = W + (n + N)[:, None].to(tl.int64) * K
     dtype = W.dtype.element_ty
-    # PRELOAD: no kernel writes the weights, so the first tiles may be loaded before waiting for
-    # the kernel that writes X, their loads overlapping that kernel's last microseconds.
-    if PRELOAD:
-        k = tl.arange(0, BLOCK_K)
-        tile_ok = n_ok[:, None] & (k < K)[None, :]
-        w_first = tl.load(rows + k[None, :], mask=tile_ok, other=0.0)
-        if GATED:
-            w_up_first = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0)
+    # No kernel writes the weights, so the first tiles are loaded before waiting for the kernel
+    # that writes X, their loads overlapping that kernel's last microseconds.
+    k = tl.arange(0, BLOCK_K)
+    tile_ok = n_ok[:, None] & (k < K)[None, :]
+    w_first = tl.load(rows + k[None, :], mask=tile_ok, other=0.0)
+    if GATED:
+        w_up_first = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0)
     wait_for_prior_kernels(PDL)
     rstd = 0.0
     if NORM:  # first pass over the row: its sum of squares (and the residual sum, stored once)
@@ -108,13 +99,13 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if GATED:
         acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if PRELOAD:  # the preloaded tile's products
-        k = tl.arange(0, BLOCK_K)
-        x = _input_tile(X, R, NW, k, k < K, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
-        acc += w_first.to(tl.float32) * x
-        if GATED:
-            acc_up += w_up_first.to(tl.float32) * x
-    for k0 in range(BLOCK_K if PRELOAD else 0, K, BLOCK_K):
+    # the first tile's products
+    k = tl.arange(0, BLOCK_K)
+    x = _input_tile(X, R, NW, k, k < K, rstd, dtype, NORM, HAS_RESIDUAL)[None, :]
+    acc += w_first.to(tl.float32) * x
+    if GATED:
+        acc_up += w_up_first.to(tl.float32) * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         tile_ok = n_ok[:, None] & k_ok[None, :]
@@ -149,7 +140,7 @@ def _launch(x, weight, bias, gated, residual, norm_weight, eps, summed) -> torch
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm else x, summed if summed is not None else x,
         weight, bias if bias is not None else x, y, N, K, eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=launch.block_k, PRELOAD=launch.preload, PDL=pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=launch.block_k, PDL=pdl,
         num_warps=launch.warps, launch_pdl=pdl)
     return y
 

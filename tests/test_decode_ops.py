@@ -164,11 +164,11 @@ def test_silu_mul_equals_transformers(dtype, shape):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(77, 300), (4096, 1024), (96, 2048), (2100, 4000)],
-                         ids=["small", "0.6b-qkv", "wide", "large-no-preload"])
+                         ids=["small", "0.6b-qkv", "wide", "large"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_linear(dtype, shape, bias):
     """One row through a linear layer, as a batch-1 decode step's projections are computed (the
-    last shape over 8M weights: the launch for large matrices, its first tile not preloaded)."""
+    last shape over 8M weights: the launch for large matrices, 4 rows per program)."""
     N, K = shape
     layer = torch.nn.Linear(K, N, bias=bias).to(DEVICE, dtype)
     x = randn(1, 1, K, dtype=dtype, seed=0)
