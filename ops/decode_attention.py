@@ -33,7 +33,9 @@ BLOCK_N = 64  # keys per inner step
 # Loads issued one key block ahead: a deeper pipeline only adds shared memory and reads no faster
 # (docs/benchmarks/decode-notes.md).
 STAGES = 2
-TARGET_PROGRAMS = 1024  # several waves of the H200's 132 SMs: a row's keys in slices of ~1/4 at batch 32
+# About four programs per SM of the H200's 132: at batch 64 with 8 key/value heads one slice per row
+# (no merge kernel), at batch 32 two; more slices per row made batched decode slower.
+TARGET_PROGRAMS = 512
 
 
 def num_splits(batch: int, n_kv_heads: int) -> int:
