@@ -104,11 +104,15 @@ def hf_tensor(weights: dict, key: str) -> torch.Tensor:
 
 
 def step_weight_bytes(model: Qwen3ForCausalLM, batch: int) -> float:
-    """Weight bytes one decode step reads: all of a dense model's; of a MoE layer's experts, the
+    """Weight bytes one decode step reads: all of a dense model's but an untied input embedding's
+    (a step reads only its tokens' rows; a tied one is the LM head's); of a MoE layer's experts, the
     expected share that batch x k uniformly routed tokens hit, 1 - (1 - k/E)^batch (the random
     router of these benchmarks spreads tokens about evenly)."""
     experts = {id(p) for name, p in model.named_parameters() if ".experts." in name}
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.model.embed_tokens.weight
+    if embedding is not model.lm_head.weight:  # untied: a step reads only its tokens' rows of it
+        total -= embedding.numel() * embedding.element_size()
     expert_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in experts)
     if not expert_bytes:
         return total
