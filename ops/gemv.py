@@ -41,9 +41,10 @@ class GemvLaunch:
 
 def gemv_config(N: int, K: int) -> GemvLaunch:
     """The launch for N weight rows of K: 1024-wide strides along K, and few rows per program, so
-    that many programs stream at once: 2 for small matrices of up to 4096 rows (Qwen3-0.6B's, under
-    8M weights), 4 otherwise (Qwen3-8B's, where 2 rows, or 8 or more with 512-wide strides,
-    stream slower). docs/benchmarks/decode-notes.md has the measurements."""
+    that many programs stream at once: 2 for matrices under 8M weights of up to 4096 rows
+    (Qwen3-0.6B's but its gate/up projection), 4 otherwise (Qwen3-8B's, where 2 rows, or 8 or
+    more with 512-wide strides, stream slower). A gated launch splits its rows between gate and
+    up. docs/benchmarks/decode-notes.md has the measurements."""
     block_n = 2 if N * K < 8 * 2**20 and N <= 4096 else 4
     return GemvLaunch(block_n, min(1024, triton.next_power_of_2(K)), 4)
 

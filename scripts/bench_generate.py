@@ -210,11 +210,13 @@ def time_prefill(fn, repeats=5) -> float:
 
 
 def decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy) -> dict:
-    """One result row (docs/benchmarks/decode-h200.json's schema); weights as resident on this process."""
+    """One result row (docs/benchmarks/decode-h200.json's schema); weights as resident on this process,
+    and the copy bandwidth of this run, which hbm_fraction divides by (an extended file keeps rows of
+    other runs)."""
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
     return dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=tp,
                 commit=args.commit, decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
-                weight_GB=round(weight_bytes / 1e9, 3),
+                weight_GB=round(weight_bytes / 1e9, 3), copy_GBps=round(copy, 1),
                 hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
 
 

@@ -93,7 +93,8 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
                 (False, True, False))
     for gated, norm, residual in variants:
         compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not norm, GATED=gated, NORM=norm,
-                                                              HAS_RESIDUAL=residual, BLOCK_N=4, BLOCK_K=1024,
+                                                              HAS_RESIDUAL=residual, BLOCK_N=2 if gated else 4,
+                                                              BLOCK_K=1024,
                                                               PDL=True),
                            floats=("eps",))
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
