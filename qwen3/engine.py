@@ -51,7 +51,7 @@ import torch
 
 from .cache import PagedKVCache
 from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
-from .sampling import SamplingParams, next_token
+from .sampling import ParameterError, SamplingParams, next_token, problem
 from .text import TextStream
 
 # Prompt tokens prefilled per engine step by default (a longer prompt alone): the running
@@ -107,21 +107,21 @@ def check_request(request: Request, limits: Limits) -> None:
     """ValueError naming the numbers unless the request can ever run within limits."""
     n = len(request.prompt_ids)
     if n == 0:
-        raise ValueError("the prompt is empty: generation needs at least one token")
+        raise ParameterError("prompt", "the prompt is empty: generation needs at least one token")
     if not all(isinstance(t, int) and 0 <= t < limits.vocab_size for t in request.prompt_ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {limits.vocab_size})")
+        raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
     if request.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-    if request.seed is not None and not 0 <= request.seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2**63), got {request.seed}")
+        raise ParameterError("max_tokens", f"max_tokens must be >= 1, got {request.max_tokens}")
+    if request.seed is not None and problem("seed", request.seed):
+        raise ParameterError("seed", f"seed {problem('seed', request.seed)}")
     if n + request.max_tokens > limits.max_len:
-        raise ValueError(f"This model's maximum context length is {limits.max_len} tokens. However, you "
-                         f"requested {n + request.max_tokens} tokens ({n} in the prompt, "
-                         f"{request.max_tokens} for the completion).")
+        raise ParameterError("max_tokens", f"This model's maximum context length is {limits.max_len} tokens. "
+                             f"However, you requested {n + request.max_tokens} tokens ({n} in the prompt, "
+                             f"{request.max_tokens} for the completion).")
     blocks = -(-(n + request.max_tokens) // limits.block_size)
     if blocks > limits.n_blocks:
-        raise ValueError(f"the request needs {blocks} KV-cache blocks of {limits.block_size} tokens "
-                         f"({n} + {request.max_tokens} tokens); the cache has {limits.n_blocks}")
+        raise ParameterError("max_tokens", f"the request needs {blocks} KV-cache blocks of {limits.block_size} "
+                             f"tokens ({n} + {request.max_tokens} tokens); the cache has {limits.n_blocks}")
 
 
 @dataclass(eq=False)  # compared by identity: `seq in self.running` must not compare tensors

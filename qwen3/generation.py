@@ -26,7 +26,7 @@ import torch
 
 from .cache import KVCache
 from .model import check_input_ids
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, next_token, problem
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
 LIBRARY_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
@@ -189,10 +189,12 @@ def generate(
     params = sampling_params(gen_config, **sampling)
     check_input_ids(input_ids)
     B, T = input_ids.shape
-    if T == 0:
-        raise ValueError("the prompt is empty: generation needs at least one token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if T == 0 or B == 0:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generation needs at least one token")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    if seed is not None and problem("seed", seed):
+        raise ValueError(f"seed {problem('seed', seed)}")
     if T + max_new_tokens > config.max_position_embeddings:
         raise ValueError(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
@@ -204,6 +206,8 @@ def generate(
     input_ids = input_ids.to(device)
 
     eos_ids = resolve_eos(eos_token_id, gen_config, config)
+    if not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in eos_ids):
+        raise ValueError(f"eos_token_id must be token ids in [0, {config.vocab_size}), got {eos_ids}")
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     if not 0 <= pad < config.vocab_size:
         raise ValueError(f"pad_token_id must be a token id in [0, {config.vocab_size}), got {pad}")

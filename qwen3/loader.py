@@ -128,7 +128,8 @@ def load_model(
     """
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise FileNotFoundError(f"model directory {path} " + ("is a file, not a directory" if path.exists()
+                                                                else "does not exist"))
     device = resolve_device(device)
     config = Qwen3Config.from_json(path, **({"norm_impl": norm_impl} if norm_impl else {}))
     dtype = resolve_dtype(dtype, device, config.dtype)

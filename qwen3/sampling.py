@@ -15,7 +15,7 @@ def _finite(value) -> bool:
 
 
 # What each parameter must be: a test and its wording. SamplingParams checks its fields with these,
-# and scripts/generate.py checks each flag with them before it loads a model.
+# generate and the engine the seed, and scripts/generate.py each flag before it loads a model.
 RULES = {
     "temperature": (lambda v: _finite(v) and v >= 0, ">= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 = off)"),
@@ -23,7 +23,16 @@ RULES = {
     "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1] (0 = off)"),
     "repetition_penalty": (lambda v: _finite(v) and v > 0, "> 0 and finite (1 = off)"),
     "presence_penalty": (lambda v: _finite(v), "a finite number (0 = off)"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63, "an integer in [0, 2**63)"),
 }
+
+
+class ParameterError(ValueError):
+    """A ValueError about one named parameter (the server reports the name as OpenAI's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def problem(name: str, value) -> str | None:
@@ -45,7 +54,7 @@ class SamplingParams:
         for field in fields(self):
             wrong = problem(field.name, getattr(self, field.name))
             if wrong:
-                raise ValueError(f"{field.name} {wrong}")
+                raise ParameterError(field.name, f"{field.name} {wrong}")
 
     @property
     def greedy(self) -> bool:

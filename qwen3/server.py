@@ -216,7 +216,7 @@ class Server:
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             )
         except ValueError as err:
-            raise OpenAIError(400, str(err)) from err
+            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from err
         if max_tokens is None:
             max_tokens = default_max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -224,8 +224,8 @@ class Server:
                                 eos_ids=() if req.ignore_eos else None)
         try:
             self.engine.check(request)
-        except ValueError as err:
-            raise OpenAIError(400, str(err), param="max_tokens") from err
+        except ValueError as err:  # ParameterError names the field
+            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from err
         return request
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:

@@ -18,9 +18,13 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer  # on first use: importing transformers takes most of a second
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as err:  # transformers reads config.json too, and raises many kinds of errors
         raise ValueError(f"transformers cannot load the tokenizer (it reads config.json too): {err}") from err
+    # The model checks a prompt against its context when it runs, naming the numbers; the
+    # tokenizer's own warning for text longer than that would only print a second message.
+    tokenizer.model_max_length = int(1e30)
+    return tokenizer
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = True, thinking: bool = True) -> list[int]:

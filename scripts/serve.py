@@ -19,16 +19,23 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from ops import IMPLS  # noqa: E402
+from qwen3.config import Qwen3Config  # noqa: E402
 from qwen3.engine import PREFILL_TOKENS  # noqa: E402
 from qwen3.engine_process import EngineProcess, EngineSpec  # noqa: E402
+from qwen3.loader import DTYPES, resolve_device, resolve_dtype  # noqa: E402
 from qwen3.text import load_tokenizer  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A bad flag is one line (argparse's default prints the usage before it); status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (HF layout)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -45,13 +52,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"(default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
+                   help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs, one per batch-size bucket, and prompts of up to "
                         "2048 tokens from one per length bucket (default: on CUDA)")
     args = p.parse_args(argv)
     if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
+    if args.num_blocks is not None and args.num_blocks < 1:
+        p.error(f"--num-blocks must be >= 1, got {args.num_blocks}")
     return args
 
 
@@ -61,10 +71,16 @@ def main(argv=None) -> None:
 
     from qwen3.server import create_app
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as err:
+        sys.exit(f"serve.py: error: --device: {err}")
     if not args.model.is_dir():
         sys.exit(f"serve.py: error: no model directory at {args.model}")
+    try:
+        dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.model).dtype)
+    except (OSError, ValueError) as err:
+        sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
     spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
                       block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
                       cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)

@@ -228,6 +228,16 @@ def test_refusals_before_any_compute(models):
         ours.generate(torch.zeros(1, 3, dtype=torch.long, device=DEVICE), temperature=-1.0)
     with pytest.raises(TypeError, match="LongTensor"):
         ours.generate(torch.zeros(3, dtype=torch.long, device=DEVICE))
+    ids = torch.zeros(1, 3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"input_ids \(0, 3\) holds no prompt"):
+        ours.generate(torch.zeros(0, 3, dtype=torch.long, device=DEVICE), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got True"):
+        ours.generate(ids, True)
+    with pytest.raises(ValueError, match=r"eos_token_id must be token ids in \[0, \d+\), got \[-1\]"):
+        ours.generate(ids, max_new_tokens=2, eos_token_id=-1)  # not blamed on the pad id it defaults
+    for seed in ("x", -1, 2**70):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+            ours.generate(ids, max_new_tokens=2, temperature=1.0, seed=seed)
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
             ours.generate(torch.zeros(1, 3, dtype=torch.long), cuda_graph=True)

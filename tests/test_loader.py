@@ -91,6 +91,8 @@ def test_unknown_norm_impl_is_refused(checkpoint):
 def test_missing_directory_and_files(tmp_path, checkpoint):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="config.json is a file, not a directory"):
+        load(checkpoint / "config.json")
     (checkpoint / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
         load(checkpoint)

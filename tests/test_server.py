@@ -235,6 +235,12 @@ def test_bad_requests_get_openai_errors(server):
     assert r.status_code == 400 and error_of(r)["param"].startswith("prompt")
     r = httpx.post(url, json=["not", "an", "object"], timeout=30)
     assert r.status_code == 400 and "JSON object" in error_of(r)["message"]
+    # each refusal names the field it is about
+    for body, param in (({"prompt": "x", "seed": -1}, "seed"), ({"prompt": ""}, "prompt"),
+                        ({"prompt": [99999]}, "prompt"), ({"prompt": "x", "temperature": -1}, "temperature"),
+                        ({"prompt": "x", "top_p": 2}, "top_p")):
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
 
     c = client(server)
     with pytest.raises(openai.BadRequestError) as err:  # prompt + max_tokens over the context
@@ -315,3 +321,15 @@ def test_a_directory_without_a_checkpoint_ends_serve_py_with_one_line(tmp_path):
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.splitlines() == [f"serve.py: error: cannot load {tmp_path}: no config.json at "
                                           f"{tmp_path / 'config.json'}"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu"], "serve.py: error: --device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"),
+    (["--num-blocks", "0"], "serve.py: error: --num-blocks must be >= 1, got 0 (see --help)"),
+])
+def test_a_bad_flag_ends_serve_py_with_one_line(flags, message):
+    """A user's mistake in a flag: one line naming it, before anything loads, and no server."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(free_port()), *flags],
+                            capture_output=True, text=True, timeout=SERVER_START_S, env=ENV, cwd=ROOT)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [message]
