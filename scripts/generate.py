@@ -99,7 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"their negative ones; 1 = off ({FROM_CHECKPOINT} 1)")
     p.add_argument("--presence-penalty", type=sampling_flag("presence_penalty", float), metavar="P",
                    help=f"subtract from the logits of tokens already present; 0 = off ({FROM_CHECKPOINT} 0)")
-    p.add_argument("--seed", type=int, default=None, metavar="N", help="makes sampling reproducible (default: none)")
+    p.add_argument("--seed", type=sampling_flag("seed", int), default=None, metavar="N",
+                   help="makes sampling reproducible (default: none)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the model's arithmetic (default: torch's, one per core); fewer when other "
+                        "programs keep cores busy: each operation waits for its slowest thread")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each decode step from a CUDA graph captured once (default: on with CUDA; "
                         "--no-cuda-graph runs the step eagerly)")
@@ -126,6 +130,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give at least one --prompt (or --prompt-file)")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     if args.tensor_parallel and "WORLD_SIZE" not in os.environ:
         p.error("--tensor-parallel runs under torchrun, which starts one process per rank: "
                 "torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel ...")
@@ -133,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
