@@ -112,8 +112,8 @@ def check_request(request: Request, limits: Limits) -> None:
         raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
     if request.max_tokens < 1:
         raise ParameterError("max_tokens", f"max_tokens must be >= 1, got {request.max_tokens}")
-    if request.seed is not None and problem("seed", request.seed):
-        raise ParameterError("seed", f"seed {problem('seed', request.seed)}")
+    if request.seed is not None and (wrong := problem("seed", request.seed)):
+        raise ParameterError("seed", f"seed {wrong}")
     if n + request.max_tokens > limits.max_len:
         raise ParameterError("max_tokens", f"This model's maximum context length is {limits.max_len} tokens. "
                              f"However, you requested {n + request.max_tokens} tokens ({n} in the prompt, "

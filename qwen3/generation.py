@@ -193,8 +193,8 @@ def generate(
         raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generation needs at least one token")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and problem("seed", seed):
-        raise ValueError(f"seed {problem('seed', seed)}")
+    if seed is not None and (wrong := problem("seed", seed)):
+        raise ValueError(f"seed {wrong}")
     if T + max_new_tokens > config.max_position_embeddings:
         raise ValueError(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
