@@ -156,6 +156,14 @@ class PagedKVCache:
             slots = slots.masked_fill(~valid, self.scratch)
         return slots.reshape(-1)
 
+    def packed_slots(self, positions: torch.Tensor, sequence: torch.Tensor, valid: torch.Tensor,
+                     block_table: torch.Tensor) -> torch.Tensor:
+        """Flat slots [T] of packed tokens: token t at position positions[t] of the sequence whose
+        blocks are block_table[sequence[t]] ([N, M]); tokens where valid is False go to scratch."""
+        blocks = block_table[sequence, positions // self.block_size]
+        slots = blocks * self.block_size + positions % self.block_size
+        return slots.masked_fill(~valid, self.scratch)
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer over the flat slot axis: [n_blocks * block_size + 1, K, hd]."""
         return self.k[layer], self.v[layer]

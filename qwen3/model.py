@@ -19,6 +19,7 @@ attention and SiLU-and-multiply as single Triton kernels (ops/), so that a decod
 large kernels per layer, which a CUDA graph then replays (qwen3/generation.py).
 """
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -46,6 +47,21 @@ from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather
 # call of a GQA model would fall to the math backend, which holds every [T, keys] score in fp32,
 # so there k and v are repeated per query head first.
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+try:  # torch's variable-length flash attention (torch 2.10 named causal attention is_causal)
+    from torch.nn.attention.varlen import varlen_attn
+
+    _VARLEN_ARGS = inspect.signature(varlen_attn).parameters
+    VARLEN_CAUSAL = dict(window_size=(-1, 0)) if "window_size" in _VARLEN_ARGS else dict(is_causal=True)
+    if "enable_gqa" in _VARLEN_ARGS:
+        VARLEN_CAUSAL["enable_gqa"] = True
+except ImportError:
+    varlen_attn = None
+
+
+def varlen_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether packed sequences attend through varlen flash attention (CUDA, 16-bit)."""
+    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -222,7 +238,8 @@ class ForwardBatch:
     mask: torch.Tensor | None  # [B, 1, T, keys] bool (True = attend) for SDPA; None: causal
     n_keys: int | None  # attend over cache slots [0, n_keys) of each row; None: over the new tokens only
     seq_lens: torch.Tensor | None  # [B] one-token steps on the fused path: keys per row, the new one included
-    block_table: torch.Tensor | None = None  # [B, M] a PagedKVCache's blocks of each row; None: KVCache rows
+    block_table: torch.Tensor | None = None  # [B, M] a PagedKVCache's blocks of each row (packed: of each sequence)
+    cu_seqlens: torch.Tensor | None = None  # [N + 1] int32: packed sequences' bounds in the one row of tokens
 
 
 def static_shapes(device: torch.device) -> bool:
@@ -240,11 +257,16 @@ def prepare_batch(
     valid: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     from_start: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """The ForwardBatch of tokens at `positions` [B, T]; valid [B, T] bool marks real tokens
     (None: all); block_table [B, M] names each row's blocks of a PagedKVCache (a KVCache: None).
     from_start: the caller's word that every row starts at position 0 and is right-padded.
+    cu_seqlens [N + 1]: the one row (B = 1) holds N sequences back to back, each from position 0
+    (block_table [N, M]: each sequence's blocks); tokens past cu_seqlens[-1] are padding.
     Attention covers, for each token, its row's tokens at positions <= its own:
+    - packed sequences: each token its own sequence's tokens, causal (varlen flash attention on
+      CUDA in 16 bits, elsewhere SDPA under a block-diagonal causal mask);
     - no cache, or a cache whose rows all start at position 0: the new tokens, causal, padding
       masked (the first prefill; a right-padded batch needs no mask);
     - one token per row on the fused path: the Triton decode kernel over each row's first
@@ -259,6 +281,20 @@ def prepare_batch(
     else:
         cos, sin = rotary(positions, dtype)
     slots = None
+    if cu_seqlens is not None:
+        tokens = torch.arange(T, device=device)
+        sequence = torch.searchsorted(cu_seqlens[1:], tokens, right=True)  # [T]: N for padding
+        if isinstance(cache, PagedKVCache):
+            slots = cache.packed_slots(positions[0], sequence.clamp(max=block_table.shape[0] - 1),
+                                       tokens < cu_seqlens[-1], block_table)
+        elif cache is not None:
+            raise ValueError("packed sequences (cu_seqlens) are written to a PagedKVCache only")
+        if varlen_supported(device, dtype):
+            return ForwardBatch(positions, fused, cos, sin, slots, None, None, None, block_table, cu_seqlens)
+        # Elsewhere SDPA over the whole row, each token seeing its own sequence's up to itself (the
+        # padding, a sequence of its own, only itself and the padding before it: no empty row).
+        mask = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
+        return ForwardBatch(positions, fused, cos, sin, slots, mask[None, None], None, None, block_table)
     if isinstance(cache, PagedKVCache):
         slots = cache.slots(positions, valid, block_table)
     elif cache is not None:
@@ -334,6 +370,10 @@ class Attention(nn.Module):
                 k_blocks, v_blocks = cache.blocks(self.layer_idx)  # [n_blocks, block_size, K, hd]
                 out = decode_attention(q.view(B, H, hd), k_blocks, v_blocks, batch.seq_lens, hd**-0.5,
                                        block_table=batch.block_table)
+            return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
+        if batch.cu_seqlens is not None:  # packed sequences, each over its own new tokens: varlen flash
+            out = varlen_attn(q[0], k[0], v[0], batch.cu_seqlens, batch.cu_seqlens, T, T, scale=hd**-0.5,
+                              **VARLEN_CAUSAL)  # [T, H, hd]; padding rows left unset
             return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
         if batch.n_keys is None:  # over the new tokens
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, K, T, hd]
@@ -413,15 +453,16 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_impl)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids, batch: ForwardBatch, cache=None, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states [B, T, D] after the final norm; keep [B] (a column per row): [B, 1, D]."""
+    def forward(self, input_ids, batch: ForwardBatch, cache=None,
+                keep: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Hidden states [B, T, D] after the final norm; keep (rows [N], columns [N]): the tokens
+        wanted, [N, 1, D]."""
         h = self.embed_tokens(input_ids)  # [B, T, D]
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, batch, cache)
         if keep is not None:  # the final norm only where logits are wanted
-            rows = torch.arange(h.shape[0], device=h.device)
-            h, residual = h[rows, keep][:, None], residual[rows, keep][:, None]
+            h, residual = h[keep][:, None], residual[keep][:, None]
         return self.norm(h, residual)[0]
 
 
@@ -460,6 +501,7 @@ class Qwen3ForCausalLM(nn.Module):
         last_only: bool = False,  # logits of each row's last real token only (what decoding needs)
         block_table: torch.Tensor | None = None,  # [B, M] long: with a PagedKVCache, each row's blocks
         from_start: bool = False,  # every row starts at position 0 and is right-padded (see below)
+        cu_seqlens: torch.Tensor | None = None,  # [N + 1] int32: B = 1 row of N packed sequences (see below)
     ) -> torch.Tensor:
         """Logits [B, T, V] (with last_only [B, 1, V]). With a cache, `positions` are required: each
         token's keys and values are written to its row's slot `position`, and it attends to its
@@ -468,13 +510,23 @@ class Qwen3ForCausalLM(nn.Module):
         row b's slot for position p is block_table[b, p // block_size] * block_size + p % block_size.
         from_start is the caller's word that each row's tokens start at position 0 and any padding
         follows them (a prompt's first forward): the forward then reads neither positions nor the
-        mask back to the host to find that out, so a CUDA graph can capture it."""
+        mask back to the host to find that out, so a CUDA graph can capture it.
+        cu_seqlens packs several prompts' first forwards into one: input_ids [1, T] holds N
+        sequences back to back, sequence i at tokens [cu_seqlens[i], cu_seqlens[i + 1]), each
+        from position 0 (positions restart with each) and attending to its own tokens only;
+        block_table [N, M] holds each sequence's blocks; tokens past cu_seqlens[-1] are padding.
+        With last_only the logits are each sequence's last token's, [N, 1, V]."""
         check_input_ids(input_ids)
         B, T = input_ids.shape
         if isinstance(cache, PagedKVCache) != (block_table is not None):
             raise ValueError("a PagedKVCache needs a block_table [B, blocks], and only it takes one")
-        if block_table is not None and (block_table.shape[0] != B or block_table.dtype != torch.long):
-            raise ValueError(f"block_table must be a LongTensor [B={B}, blocks], got {tuple(block_table.shape)}")
+        rows = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # a block table row per sequence
+        if block_table is not None and (block_table.shape[0] != rows or block_table.dtype != torch.long):
+            raise ValueError(f"block_table must be a LongTensor [{rows}, blocks], got {tuple(block_table.shape)}")
+        if cu_seqlens is not None and (B != 1 or attention_mask is not None or cu_seqlens.dim() != 1
+                                       or cu_seqlens.dtype != torch.int32 or len(cu_seqlens) < 2):
+            raise ValueError("packed sequences take input_ids [1, T], no attention_mask, and cu_seqlens, "
+                             "an int32 tensor [N + 1] of sequence bounds")
         device = input_ids.device
         if positions is None:
             if cache is not None:
@@ -501,10 +553,15 @@ class Qwen3ForCausalLM(nn.Module):
         impl = resolve_impl(self.config.norm_impl, device)
         fused = impl == "triton" and not torch.is_grad_enabled()
         dtype = self.model.embed_tokens.weight.dtype
-        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, from_start)
+        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, from_start,
+                              cu_seqlens)
         keep = None
-        if last_only and T > 1:  # each row's last real token: the last column, or before right padding
-            keep = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)
+        if last_only and cu_seqlens is not None:  # each sequence's last token (an empty one's: any)
+            last = (cu_seqlens[1:] - 1).clamp(min=0).long()
+            keep = torch.zeros_like(last), last
+        elif last_only and T > 1:  # each row's last real token: the last column, or before right padding
+            columns = torch.full((B,), T - 1, device=device) if valid is None else valid.long().cumsum(1).argmax(1)
+            keep = torch.arange(B, device=device), columns
         return gather_vocab(self.lm_head(self.model(input_ids, batch, cache, keep)), self.tp)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
