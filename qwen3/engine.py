@@ -3,22 +3,25 @@
 Requests join and leave the running batch between decode steps. Each engine step:
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
    blocks return to the cache at once;
-2. launches one decode step over the running sequences that have tokens left to make (one
-   token per row, rows of different lengths, keys read through each row's block table), each
-   row sampled on the device with its own parameters, its token fed to the next step on the
-   device;
-3. while that step runs, reads the previous step's tokens back, applies their stops, hands new
-   text to their consumers and frees the blocks of the rows that finished;
-4. admits waiting requests, oldest first, while the batch has room, the cache has blocks for
-   their prompt and the step's prefill_tokens last, and prefills them shortest first (on CUDA
-   each from the CUDA graph of its length bucket), which samples each one's first token.
+2. admits waiting requests, oldest first, while the batch has room, the cache has blocks for
+   their prompt and the step's prefill_tokens last, and launches their prefill, packed into one
+   forward (on CUDA from the CUDA graph of its token-count bucket), which samples each one's
+   first token on the device;
+3. launches one decode step over the running sequences that have tokens left to make, the ones
+   just prefilled included (one token per row, rows of different lengths, keys read through
+   each row's block table), each row sampled on the device with its own parameters, its token
+   fed to the next step on the device;
+4. while those run, reads the tokens of the previous step's prefills and decode step back,
+   applies their stops, hands new text to their consumers and frees the blocks of the rows
+   that finished.
 
-Steps are launched one ahead of reading their tokens, so that the host's work on a step's tokens
-(per token: stops, detokenizing, an output) overlaps the GPU's next step instead of leaving the
-GPU idle. A sequence that a stop token ends has one more step launched whose
-token is dropped (and keeps its blocks until that is known); max_tokens is known in advance and
-never overshoots. Freed blocks can be handed out at once: every step runs on one CUDA stream, so
-a block's next owner writes it after the in-flight step that may still write it.
+Tokens are read one step after their launch, so that the host's work on them (per token: stops,
+detokenizing, an output) overlaps the GPU's next prefills and decode step instead of leaving the
+GPU idle: nothing in a step waits for the GPU except the reading of the step before. A sequence
+that a stop token ends has one more step launched whose token is dropped (and keeps its blocks
+until that is known); max_tokens is known in advance and never overshoots. Freed blocks can be
+handed out at once: every step runs on one CUDA stream, so a block's next owner writes it after
+the in-flight step that may still write it.
 
 A sequence gets a block when its next token starts one. When none is free, the sequence
 admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
@@ -28,8 +31,9 @@ running out of blocks makes requests wait, never corrupts or drops them.
 
 On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
 the bucket's size, padding rows writing to the scratch slot), captured once at start, largest
-first, in one memory pool, as nano-vllm does; a prompt of up to PREFILL_GRAPH_TOKENS tokens is
-replayed from the graph of its length bucket the same way. The CPU runs both eagerly; the CPU
+first, in one memory pool, as nano-vllm does. A step's prompts are packed back to back into one
+forward (varlen attention, each prompt over its own tokens), replayed from the graph of its
+token-count bucket the same way, up to PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU
 tests exercise the eager paths, the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
@@ -54,14 +58,17 @@ from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_strea
 from .sampling import ParameterError, SamplingParams, next_token, problem
 from .text import TextStream
 
-# Prompt tokens prefilled per engine step by default (a longer prompt alone): the running
-# sequences wait for the step's prefills, and the prompts of a burst get their first tokens a
-# step's worth at a time, shortest first, instead of all at the end of one long prefill.
-PREFILL_TOKENS = 2048
-# On CUDA, prompts of up to this many tokens are prefilled from a CUDA graph each: an eager
-# forward costs the same host time of kernel launches from Python whatever the prompt's length,
-# many times a short prompt's GPU time.
-PREFILL_GRAPH_TOKENS = 2048
+# Prompt tokens prefilled per engine step by default (a longer prompt alone): the prompts of a
+# burst get their first tokens a step's worth at a time instead of all at the end of one long
+# prefill. More per step takes a burst into the batch in fewer steps (fewer decode steps run
+# part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
+PREFILL_TOKENS = 4096
+# On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
+# prompts, are prefilled from a CUDA graph: an eager forward costs the same host time of kernel
+# launches from Python whatever its length, many times a short pack's GPU time.
+PREFILL_GRAPH_TOKENS = 4096
+PACKED_SEQUENCES = 64
+
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,7 @@ class Sequence:
 
 @dataclass
 class LaunchedStep:
-    """A decode step on the GPU: its rows, and its tokens on their way to the host."""
+    """A decode step or a prefill on the GPU: its rows, and its tokens on their way to the host."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [B] on the host once `ready` has completed
@@ -236,42 +243,60 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PagedPrefillStep:
-    """A prompt's first forward, one sequence from position 0: its token ids -> the logits [1, V]
-    of its last token. On CUDA, a prompt of up to PREFILL_GRAPH_TOKENS tokens is replayed from
-    the graph of the smallest bucket that holds it (right-padded, the padding written to the
-    scratch slot); longer prompts, and every prompt on the CPU, are not `fits` and run eagerly."""
+    """Prompts' first forwards, packed: the tokens of several sequences back to back in one forward
+    (each from position 0, attending to its own tokens: the model's cu_seqlens) -> the logits
+    [N, V] of each one's last token. Packing keeps the matmuls long whatever the prompts' lengths:
+    on the H200 one 512-token prompt alone costs 4.1 us a token, four packed 2.3. On CUDA, up to
+    PACKED_SEQUENCES prompts of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of
+    the smallest token bucket that holds them (the padding written to the scratch slot); larger
+    packs, and every pack on the CPU, run eagerly (`fits`)."""
 
     def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool):
         self.model, self.cache = model, cache
         self.buckets = prefill_buckets(min(PREFILL_GRAPH_TOKENS, model.config.max_position_embeddings)) if graph else []
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if graph:
-            device, T = model.lm_head.weight.device, self.buckets[-1]
+            device, T, N = model.lm_head.weight.device, self.buckets[-1], PACKED_SEQUENCES
             self.ids = torch.zeros(1, T, dtype=torch.long, device=device)
-            self.positions = torch.arange(T, device=device)[None]
-            self.valid = torch.zeros(1, T, dtype=torch.bool, device=device)
-            self.block_table = torch.zeros(1, table_width, dtype=torch.long, device=device)
-            # Every token is padding while capturing: warm-up writes land in the scratch slot.
+            self.positions = torch.zeros(1, T, dtype=torch.long, device=device)
+            self.cu_seqlens = torch.zeros(N + 1, dtype=torch.int32, device=device)
+            self.block_table = torch.zeros(N, table_width, dtype=torch.long, device=device)
+            # While capturing every sequence is empty and every token padding, written to scratch.
             self.graphs = capture_buckets(self.buckets, self._forward, device)
 
-    def fits(self, n_tokens: int) -> bool:
-        return bool(self.buckets) and n_tokens <= self.buckets[-1]
+    def fits(self, n_tokens: int, n_sequences: int = 1) -> bool:
+        """Whether a pack of n_sequences prompts of n_tokens in all is replayed from a graph."""
+        return bool(self.buckets) and n_tokens <= self.buckets[-1] and n_sequences <= PACKED_SEQUENCES
 
     def _forward(self, T: int) -> torch.Tensor:
-        return self.model(self.ids[:, :T], self.positions[:, :T], cache=self.cache, attention_mask=self.valid[:, :T],
-                          last_only=True, block_table=self.block_table, from_start=True)[:, -1]
+        return self.model(self.ids[:, :T], self.positions[:, :T], cache=self.cache, last_only=True,
+                          block_table=self.block_table, cu_seqlens=self.cu_seqlens)[:, -1]
 
-    def __call__(self, ids: list[int], block_table: torch.Tensor) -> torch.Tensor:
-        """Logits [1, V] of ids' last token, its keys and values written through block_table [1, M]."""
-        n = len(ids)
+    def __call__(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of each prompt's last token, its keys and values written through its row of
+        block_table [N, M]."""
+        lengths = [len(ids) for ids in prompts]
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        n, N = bounds[-1], len(prompts)
+        ids = list(itertools.chain.from_iterable(prompts))
+        positions = [p for length in lengths for p in range(length)]
+        if not self.fits(n, N):
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=block_table.device)
+            return self.model(torch.tensor([ids], device=block_table.device),
+                              torch.tensor([positions], device=block_table.device), cache=self.cache,
+                              last_only=True, block_table=block_table, cu_seqlens=cu_seqlens)[:, -1]
         T = next(b for b in self.buckets if b >= n)
-        self.ids[0, :n].copy_(torch.tensor(ids, pin_memory=True), non_blocking=True)  # queued behind the step in flight
-        self.valid[0, :n] = True
-        self.valid[0, n:T] = False
-        self.block_table[:, : block_table.shape[1]].copy_(block_table)  # columns past it: padding's only
+        # Queued behind the step in flight through pinned memory. Padding keeps earlier ids and
+        # positions (any valid ones do); the bounds past the last sequence's end make empty sequences.
+        staged = torch.tensor([ids, positions], pin_memory=True)
+        self.ids[0, :n].copy_(staged[0], non_blocking=True)
+        self.positions[0, :n].copy_(staged[1], non_blocking=True)
+        bounds += [n] * (PACKED_SEQUENCES - N)
+        self.cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        self.block_table[:N, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
         graph, logits = self.graphs[T]
         graph.replay()
-        return logits
+        return logits[:N]
 
 
 class Engine:
@@ -284,8 +309,7 @@ class Engine:
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
     prefill_tokens: prompt tokens admitted and prefilled per step at most (a longer prompt
-        alone); prompts run shortest first, each from its own CUDA graph where one holds it, else
-        together in right-padded forwards of at most this many tokens, padding included.
+        alone), packed into one forward (on CUDA, into as few as the prefill graphs hold).
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
@@ -328,7 +352,9 @@ class Engine:
         # Each running row's last token, on the device: a decode step's input ids are gathered
         # from it, and sampling (prefill's and decode's) writes it, without a trip through the host.
         self.last_token = torch.zeros(max_batch, dtype=torch.long, device=self.device)
-        self.launched: LaunchedStep | None = None  # the decode step whose tokens are not read yet
+        # Prefills and decode steps launched whose tokens are not read yet, in launch order (a
+        # sequence's prefill before its first decode step).
+        self.in_flight: list[LaunchedStep] = []
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -379,20 +405,21 @@ class Engine:
 
     def abort_all(self) -> None:
         """End every sequence with finish_reason "error" (after a failed step), freeing its blocks."""
-        self.launched = None
+        self.in_flight = []
         for seq in list(self.sequences.values()):
             self._finish(seq, "error")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.launched or not self._inbox.empty())
+        return bool(self.waiting or self.running or self.in_flight or not self._inbox.empty())
 
     @torch.inference_mode()
     def step(self) -> None:
         self._drain_inbox()
-        previous, self.launched = self.launched, self._launch_decode()
-        if previous is not None:  # read while the step just launched runs
-            self._accept_step(previous)
+        previous, self.in_flight = self.in_flight, []
         self._admit()
+        self._launch_decode()
+        for launched in previous:  # read while the prefills and the decode step just launched run
+            self._accept_step(launched)
 
     def run(self, timeout_s: float = 600.0) -> None:
         """Step until every request has finished (tests)."""
@@ -450,42 +477,27 @@ class Engine:
             self.running.append(seq)
             admitted.append(seq)
             tokens += len(seq.ids)
-        # Shortest first: the short prompts get their first token soonest. A prompt that a graph
-        # holds runs alone; the others in right-padded groups of at most prefill_tokens tokens.
-        groups: list[list[Sequence]] = []
+        # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
+        packs: list[list[Sequence]] = []
         for seq in sorted(admitted, key=lambda s: len(s.ids)):
-            last = groups[-1] if groups else None
-            if (last is None or self.prefill.fits(len(seq.ids)) or self.prefill.fits(len(last[0].ids))
-                    or (len(last) + 1) * len(seq.ids) > self.prefill_tokens):
-                groups.append([seq])
+            pack = packs[-1] if packs else None
+            if pack is not None and (not self.prefill.buckets or self.prefill.fits(
+                    sum(len(s.ids) for s in pack) + len(seq.ids), len(pack) + 1)):
+                pack.append(seq)
             else:
-                last.append(seq)
-        for group in groups:
-            self._prefill(group)
+                packs.append([seq])
+        for pack in packs:
+            self._prefill(pack)
 
-    def _prefill(self, group: list[Sequence]) -> None:
-        """Each sequence's tokens (a preempted one's generated tokens too) from position 0: one
-        sequence from its graph, or the rows in one forward, right-padded to the longest; the
-        logits of each row's last token give its next token."""
-        lengths = [len(s.ids) for s in group]
-        width = max(len(s.blocks) for s in group)
-        table = self._on_device(self.block_rows[torch.tensor([s.row for s in group]), :width])
-        if len(group) == 1 and self.prefill.fits(lengths[0]):
-            logits = self.prefill(group[0].ids, table)
-        else:
-            T = max(lengths)
-            ids = torch.tensor([s.ids + [0] * (T - len(s.ids)) for s in group], device=self.device)
-            positions = torch.arange(T, device=self.device).expand(len(group), T)
-            valid = None
-            if min(lengths) < T:
-                valid = torch.arange(T) < torch.tensor(lengths)[:, None]
-            logits = self.model(ids, positions, cache=self.cache, attention_mask=valid, last_only=True,
-                                block_table=table)[:, -1]
-        for seq, n in zip(group, lengths):
-            seq.cached = n
-        tokens = self._sample(logits, group, self._on_device([s.row for s in group]))
-        for seq, token in zip(group, tokens.tolist()):
-            self._accept(seq, token)
+    def _prefill(self, pack: list[Sequence]) -> None:
+        """Each sequence's tokens (a preempted one's generated tokens too) from position 0, packed
+        into one forward; the logits of each one's last token give its next token."""
+        width = max(len(s.blocks) for s in pack)
+        table = self._on_device(self.block_rows[torch.tensor([s.row for s in pack]), :width])
+        logits = self.prefill([s.ids for s in pack], table)
+        for seq in pack:
+            seq.cached = len(seq.ids)
+        self._send_back(pack, self._sample(logits, pack, self._on_device([s.row for s in pack])))
 
     def _grow(self) -> None:
         """Give every running sequence that will be launched a block for the position its next
@@ -510,13 +522,13 @@ class Engine:
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
-    def _launch_decode(self) -> LaunchedStep | None:
+    def _launch_decode(self) -> None:
         """Launch a decode step over the running sequences that have tokens left to make (a
-        sequence whose last token is still in flight counts it); None when there are none."""
+        sequence whose last token is still in flight counts it), if there are any."""
         self._grow()
         seqs = [s for s in self.running if s.n_launched < s.request.max_tokens]
         if not seqs:
-            return None
+            return
         self.peak_running = max(self.peak_running, len(seqs))
         rows = torch.tensor([s.row for s in seqs])
         device_rows = self._on_device(rows)
@@ -526,17 +538,21 @@ class Engine:
                              self._on_device(self.block_rows[rows, :width]))
         for s in seqs:
             s.cached += 1
-        tokens = self._sample(logits, seqs, device_rows)
+        self._send_back(seqs, self._sample(logits, seqs, device_rows))
+
+    def _send_back(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Queue the copy of the tokens [B] sampled for seqs to the host; the next step reads them."""
         if tokens.device.type != "cuda":
-            return LaunchedStep(seqs, tokens, None)
+            self.in_flight.append(LaunchedStep(seqs, tokens, None))
+            return
         ready = torch.cuda.Event()
         tokens = tokens.to("cpu", non_blocking=True)
         ready.record()
-        return LaunchedStep(seqs, tokens, ready)
+        self.in_flight.append(LaunchedStep(seqs, tokens, ready))
 
     def _accept_step(self, step: LaunchedStep) -> None:
-        """Hand out a launched step's tokens, once they have reached the host; a sequence that
-        ended meanwhile (a stop token in the step before, a cancel) drops its token."""
+        """Hand out the tokens of a launched prefill or decode step, once they have reached the
+        host; a sequence that ended meanwhile (a stop token before, a cancel) drops its token."""
         if step.ready is not None:
             step.ready.synchronize()
         for s, token in zip(step.seqs, step.tokens.tolist()):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
-from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
 from ops.decode_attention import decode_attention
 from qwen3 import PagedKVCache, Qwen3ForCausalLM
@@ -43,9 +43,13 @@ def one_slice_per_row(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = save(hf_model(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("engine"))
-    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, device=DEVICE, progress=False)
+def checkpoint(tmp_path_factory):
+    return save(hf_model(seed=5, num_hidden_layers=2), tmp_path_factory.mktemp("engine"))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, device=DEVICE, progress=False)
 
 
 def prompts(lengths, vocab, seed=0):
@@ -162,6 +166,55 @@ def test_paged_forward_equals_the_full_forward(model, norm_impl, one_slice_per_r
         model.set_norm_impl("auto")
 
 
+@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl, one_slice_per_row):
+    """Three prompts packed into one forward (cu_seqlens, padding and an empty sequence at the
+    end) into scattered blocks: each one's last-token logits equal transformers' for the prompt
+    alone, and so do the logits of a next token decoded through the cache the packed forward
+    wrote (torch path: SDPA per sequence; triton: the fused kernels; on a GPU, varlen flash)."""
+    reference = hf_model(seed=5, num_hidden_layers=2).to(DEVICE)  # the `model` fixture's checkpoint
+    rows = prompts([5, 1, 8], model.config.vocab_size, seed=9)
+    nexts = [row[0] for row in prompts([1, 1, 1], model.config.vocab_size, seed=10)]
+    cache = PagedKVCache.for_model(model, n_blocks=12, block_size=4)
+    table = torch.tensor([[3, 8, 0], [11, 5, 6], [1, 9, 4], [7, 2, 10]], device=DEVICE)
+    ids = sum(rows, []) + [0, 0]  # two padding tokens
+    positions = [p for row in rows for p in range(len(row))] + [0, 0]
+    cu_seqlens = torch.tensor([0, 5, 6, 14, 14], dtype=torch.int32, device=DEVICE)
+    model.set_norm_impl(norm_impl)
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device=DEVICE), torch.tensor([positions], device=DEVICE), cache=cache,
+                           last_only=True, block_table=table, cu_seqlens=cu_seqlens)
+            step = model(torch.tensor([[t] for t in nexts], device=DEVICE),
+                         torch.tensor([[len(row)] for row in rows], device=DEVICE), cache=cache, block_table=table[:3])
+            for i, row in enumerate(rows):
+                want = reference(torch.tensor([row + [nexts[i]]], device=DEVICE)).logits[0]
+                torch.testing.assert_close(logits[i, 0], want[-2], rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+                torch.testing.assert_close(step[i, 0], want[-1], rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+            assert logits.shape[0] == 4  # a row of logits per sequence, the empty one's included
+            with pytest.raises(ValueError, match="packed sequences take"):
+                model(torch.tensor([ids, ids], device=DEVICE), cache=cache, positions=torch.zeros(2, 16).long(),
+                      block_table=table, cu_seqlens=cu_seqlens)
+    finally:
+        model.set_norm_impl("auto")
+
+
+@requires_cuda
+def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
+    """On the GPU in bf16 a pack of prompts runs varlen flash attention, replayed from the graph of
+    its token bucket (the pack's unused sequences empty): each prompt's last-token logits match
+    transformers' bf16 forward of the prompt alone."""
+    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device=DEVICE, progress=False)
+    reference = hf_model(seed=5, num_hidden_layers=2, dtype=torch.bfloat16).to(DEVICE)
+    engine = Engine(model, max_batch=4, n_blocks=32, block_size=16)
+    rows = prompts([5, 1, 23], model.config.vocab_size, seed=12)
+    assert engine.prefill.fits(29, 3)
+    logits = engine.prefill(rows, torch.tensor([[0, 1], [2, 3], [4, 5]], device=DEVICE))
+    for i, row in enumerate(rows):
+        want = reference(torch.tensor([row], device=DEVICE)).logits[0, -1]
+        assert relative_error(logits[i], want) < LOGITS_BF16_REL
+
+
 # ---- the engine --------------------------------------------------------------------------------
 
 
@@ -189,31 +242,30 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
         model.set_norm_impl("auto")
 
 
-@pytest.mark.parametrize("prefill_tokens, steps", [(1, [[1]] * 6), (24, [[3, 1], [2]]), (10_000, [[6]])],
-                         ids=["one-each", "groups", "all-together"])
+@pytest.mark.parametrize("prefill_tokens, steps", [(1, [[7], [2], [11], [4], [9], [3]]), (24, [[24], [12]]),
+                                                   (10_000, [[36]])], ids=["one-each", "two-steps", "all-together"])
 def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, steps):
     """Six prompts of different lengths, arriving together: each step admits prompts in arrival
     order up to prefill_tokens tokens (7, 2, 11 and 4 fill 24; then 9 and 3) and prefills them
-    shortest first in right-padded forwards of at most prefill_tokens tokens ([2, 4, 7] then [11];
-    then [3, 9]), or one prompt per step, or all in one forward: each row's tokens equal
-    model.generate's for its prompt alone (the torch path; right padding needs no mask), the one
-    whose max_tokens is 1 ending in its prefill beside the others."""
+    packed into one forward (of 24 tokens, then 12), or one prompt per step, or all in one
+    forward: each row's tokens equal model.generate's for its prompt alone, the one whose
+    max_tokens is 1 ending in its prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
     requests = [Request(p, 1 if i == 1 else 4, GREEDY, eos_ids=())
                 for i, p in enumerate(prompts(lengths, model.config.vocab_size, seed=7))]
     expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
-    # Eager prefills (a GPU would replay each prompt from a graph: test_graphed_engine_equals_eager_engine)
+    # Eager prefills (a GPU would replay each pack from a graph: test_graphed_engine_equals_eager_engine)
     engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens, cuda_graph=False)
     outputs = [collect(engine, r) for r in requests]
-    prefill_rows = []  # rows of each forward of more than one token: the prefills
+    prefills = []  # tokens of each forward of more than one token: the packed prefills
     hook = model.register_forward_pre_hook(
-        lambda module, args: prefill_rows.append(args[0].shape[0]) if args[0].shape[1] > 1 else None)
+        lambda module, args: prefills.append(args[0].shape[1]) if args[0].shape[1] > 1 else None)
     per_step = []
     try:
         while engine.waiting or not per_step:
             engine.step()
-            per_step.append(prefill_rows[:])
-            prefill_rows.clear()
+            per_step.append(prefills[:])
+            prefills.clear()
     finally:
         hook.remove()
     assert per_step == steps
@@ -364,10 +416,10 @@ def test_graph_buckets_and_the_cuda_graph_switch(model):
 @requires_cuda
 @pytest.mark.parametrize("norm_impl", ["triton", "torch"])
 def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
-    """On the GPU: prompts of up to 32 tokens prefilled from their bucket's graph (5, 17, 2, 9 ->
-    16, 24, 16, 16; 30 -> 32) and a longer one eagerly (45); decode steps replayed from the
-    per-bucket CUDA graphs (batches of 6, 5, 4... padded to buckets 8 and 4): every token is the
-    one the eager engine chooses."""
+    """On the GPU: packs of prompts of up to 32 tokens in all prefilled from their bucket's graph
+    (2 + 5 + 9 -> 16, 17 -> 24, 30 -> 32) and a longer one eagerly (45), packed forwards through
+    varlen flash attention; decode steps replayed from the per-bucket CUDA graphs (batches of 6,
+    5, 4... padded to buckets 8 and 4): every token is the one the eager engine chooses."""
     import qwen3.engine
 
     monkeypatch.setattr(qwen3.engine, "PREFILL_GRAPH_TOKENS", 32)
@@ -378,7 +430,7 @@ def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
         results = []
         for graph in (True, False):
             engine = Engine(model, max_batch=8, n_blocks=64, block_size=16, cuda_graph=graph)
-            assert engine.prefill.fits(30) == graph and not engine.prefill.fits(45)
+            assert engine.prefill.fits(30, 3) == graph and not engine.prefill.fits(45)
             outs = [collect(engine, r) for r in requests]
             engine.run(timeout_s=120)
             results.append([tokens(o) for o in outs])
