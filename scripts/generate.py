@@ -138,6 +138,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def header_text(prompt: str) -> str:
+    """A prompt as its batch header shows it, on one line: as typed when every character prints
+    as itself, else as a Python string literal (a line break shows as \\n, a tab as \\t), so that
+    the header stays one line and the prompt can still be read exactly."""
+    return prompt if prompt.isprintable() else repr(prompt)
+
+
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,7 +217,7 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(texts[0][-1] + "\n")
     else:
         for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
-            sys.stdout.write(f"=== [{i}] {prompt}\n{''.join(text)}\n")
+            sys.stdout.write(f"=== [{i}] {header_text(prompt)}\n{''.join(text)}\n")
     sys.stdout.flush()
 
     prefill_ms = (stamps[0] - start) * 1e3

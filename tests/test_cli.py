@@ -100,6 +100,17 @@ def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_
     assert "norm torch]" in batch.stderr  # auto, resolved for the CPU
 
 
+def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
+    """A prompt whose characters do not all print as themselves (a line break) is shown as a
+    Python string literal, so that its `=== [i]` header stays one line; a plain one as typed."""
+    prompts = ["def add(a, b):\n    return", "x"]
+    result = run_cli("--model", str(model_dir), "--prompt", prompts[0], "--prompt", prompts[1],
+                     "--max-new-tokens", "2", "--temperature", "0", "--no-chat")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"=== [0] {prompts[0]!r}\n"), result.stdout
+    assert "\n=== [1] x\n" in result.stdout, result.stdout
+
+
 def test_seeded_sampling_repeats(model_dir):
     args = ["--model", str(model_dir), "--prompt", "import os", "--prompt", "for i in range(3):",
             "--max-new-tokens", "8", "--seed", "7", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
