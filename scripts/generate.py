@@ -111,9 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="split the model over the processes torchrun starts (torchrun --nproc-per-node N "
                         "generate.py --tensor-parallel ...): one GPU each with NCCL, or CPU processes with gloo; "
                         "rank 0 prints")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+    # None until parsed: a flag the user gave is told apart from the default (see chat_note).
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="let the model think first (Qwen3's enable_thinking; default: on)")
     args = p.parse_args(argv)
     if args.prompt and "" in args.prompt:
@@ -145,6 +146,21 @@ def header_text(prompt: str) -> str:
     return prompt if prompt.isprintable() else repr(prompt)
 
 
+def chat_note(args: argparse.Namespace, tokenizer) -> str | None:
+    """What to tell a user who asked for the chat template (--chat, or --thinking/--no-thinking
+    without --no-chat) of a model that has none; None when there is nothing to say. The defaults
+    ask for nothing: a base model (the shipped one) runs its plain prompt without a word."""
+    if tokenizer.chat_template:
+        return None
+    asked = ["--chat"] if args.chat else []
+    if args.thinking is not None and args.chat is not False:
+        asked.append("--thinking" if args.thinking else "--no-thinking")
+    if not asked:
+        return None
+    return (f"{args.model} has no chat template, so {' and '.join(asked)} changes nothing: "
+            "the prompt is used as plain text")
+
+
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,7 +188,11 @@ def run(args: argparse.Namespace) -> None:
     except (OSError, ValueError, torch.OutOfMemoryError) as err:
         fail(f"cannot load {args.model}: {err}")
 
-    rows = [prompt_ids(tokenizer, p, chat=args.chat, thinking=args.thinking) for p in args.prompt]
+    note = chat_note(args, tokenizer)
+    if note and show:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    chat, thinking = args.chat is not False, args.thinking is not False  # both on by default
+    rows = [prompt_ids(tokenizer, p, chat=chat, thinking=thinking) for p in args.prompt]
     for prompt, row in zip(args.prompt, rows):
         if not row:
             fail(f"the prompt {prompt!r} encodes to no tokens")

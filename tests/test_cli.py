@@ -25,6 +25,15 @@ def model_dir(tmp_path_factory):
     return save_tokenizer(path)
 
 
+@pytest.fixture(scope="module")
+def base_model_dir(model_dir, tmp_path_factory):
+    """model_dir's weights with a tokenizer that has no chat template, as a base model's."""
+    path = tmp_path_factory.mktemp("cli-base-model")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (path / name).symlink_to(model_dir / name)
+    return save_tokenizer(path, chat=False)
+
+
 def run_cli(*args, timeout=300):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
@@ -109,6 +118,23 @@ def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"=== [0] {prompts[0]!r}\n"), result.stdout
     assert "\n=== [1] x\n" in result.stdout, result.stdout
+
+
+def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir):
+    """--chat or --thinking asked of a base model: one note on stderr, and the plain prompt's text,
+    as the defaults give it; the defaults themselves say nothing."""
+    greedy = ["--model", str(base_model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "4",
+              "--temperature", "0"]
+    default = run_cli(*greedy)
+    assert default.returncode == 0, default.stderr
+    assert "chat template" not in default.stderr, default.stderr
+    for flags, named in ((["--chat", "--no-thinking"], "--chat and --no-thinking"), (["--thinking"], "--thinking")):
+        result = run_cli(*greedy, *flags)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == default.stdout
+        note, _summary = result.stderr.splitlines()
+        assert note.startswith(f"generate.py: note: {base_model_dir} has no chat template, so {named} "), note
+        assert note.endswith("the prompt is used as plain text"), note
 
 
 def test_seeded_sampling_repeats(model_dir):
