@@ -241,8 +241,11 @@ def run(args: argparse.Namespace) -> None:
     sys.stdout.flush()
 
     prefill_ms = (stamps[0] - start) * 1e3
-    decode_steps = len(stamps) - 1
-    decode_rate = decode_steps / (stamps[-1] - stamps[0]) if decode_steps else float("nan")
+    decode_steps = len(stamps) - 1  # the prefill gives the first token; every later one is a decode step
+    decode = "no decode steps"  # one new token (--max-new-tokens 1, or an end at the first): no rate to give
+    if decode_steps:
+        rate = decode_steps / (stamps[-1] - stamps[0])
+        decode = f"{decode_steps} decode steps at {rate:.1f} steps/s ({rate * len(rows):.1f} tok/s)"
     if device.type == "cuda":
         peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB GPU"
     else:
@@ -251,8 +254,7 @@ def run(args: argparse.Namespace) -> None:
     parallel = f", tensor parallel over {model.tp.size} ranks" if model.tp else ""
     print(
         f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "
-        f"{decode_steps} decode steps at {decode_rate:.1f} steps/s ({decode_rate * len(rows):.1f} tok/s), "
-        f"peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
+        f"{decode}, peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
         file=sys.stderr,
     )
 

@@ -120,6 +120,14 @@ def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
     assert "\n=== [1] x\n" in result.stdout, result.stdout
 
 
+def test_one_new_token_reports_no_decode_rate(model_dir):
+    """--max-new-tokens 1: the prefill gives the only token, so there is no decode step to time."""
+    result = run_cli("--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "1", "--no-chat")
+    assert result.returncode == 0, result.stderr
+    [summary] = result.stderr.splitlines()
+    assert "no decode steps" in summary and "nan" not in summary and "steps/s" not in summary, summary
+
+
 def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir):
     """--chat or --thinking asked of a base model: one note on stderr, and the plain prompt's text,
     as the defaults give it; the defaults themselves say nothing."""
