@@ -36,22 +36,23 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (HF layout)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, metavar="DIR",
+                   help="checkpoint directory in Hugging Face layout (default: weights/qwen3-stdlib-tiny)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a place in the batch; more get 429 (default: 256)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV-cache blocks (default: CUDA: 80%% of free GPU memory, at most what max-batch full-"
-                        "context sequences use; CPU: 2048 tokens per batch row)")
+                        "context sequences use; CPU: the context or 2048 tokens, whichever is less, per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="prompt tokens admitted and prefilled per engine step at most, a longer prompt alone "
                         f"(default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,

@@ -1,7 +1,9 @@
-"""scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here."""
+"""scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here (and the
+--help of both front ends, generate.py and serve.py)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -161,15 +163,24 @@ def test_auto_norm_is_triton_on_cuda_and_torch_on_the_cpu():
     assert resolve_impl("auto", torch.device("cpu")) == "torch"
 
 
-def test_help_shows_the_defaults():
-    result = run_cli("--help")
-    assert result.returncode == 0
-    options = result.stdout.split("options:")[1]
-    for flag in ("--model", "--norm", "--device", "--dtype", "--max-new-tokens", "--temperature", "--top-k",
-                 "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty", "--seed", "--threads",
-                 "--cuda-graph", "--chat", "--thinking"):
-        text = " ".join(options.split(flag, 1)[1].split("\n  --", 1)[0].split())
-        assert "(default: " in text or "; default: " in text, f"{flag} does not say its default"
+@pytest.mark.parametrize("script, without_default", [
+    ("generate.py", {"--help", "--prompt", "--prompt-file", "--tensor-parallel"}),
+    ("serve.py", {"--help"}),
+])
+def test_help_shows_every_flags_default(script, without_default):
+    """Each flag that --help lists says its default (but those that have none: the prompts, a switch)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    entries = re.split(r"\n  (?=-)", result.stdout.split("options:")[1])  # a flag's entry is indented by two
+    shown = {}
+    for entry in entries[1:]:
+        flag = re.search(r"--[\w-]+", entry).group()  # its long name: -h, --help -> --help
+        shown[flag] = " ".join(entry.split())
+    assert "--model" in shown and without_default <= set(shown), sorted(shown)
+    for flag, text in shown.items():
+        if flag not in without_default:
+            assert "(default: " in text or "; default: " in text, f"{script} {flag} does not say its default: {text}"
 
 
 # A user's mistakes, each ending in one line on stderr (no traceback) and a non-zero exit status.
