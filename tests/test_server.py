@@ -333,3 +333,17 @@ def test_a_bad_flag_ends_serve_py_with_one_line(flags, message):
                             capture_output=True, text=True, timeout=SERVER_START_S, env=ENV, cwd=ROOT)
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.splitlines() == [message]
+
+
+def test_a_port_in_use_ends_serve_py_with_one_line():
+    """Another program listens on the port: one line that says so, and no "serving" line before it."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port),
+                                 "--device", "cpu"], capture_output=True, text=True, timeout=SERVER_START_S,
+                                env=ENV, cwd=ROOT)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"serve.py: error: port {port} on 127.0.0.1 is in use; "
+                                          "pick another with --port"]
