@@ -190,6 +190,7 @@ MISTAKES = {
     **{f"device {d}": (["--device", d], f"device {d} is not available") for d in ABSENT_CUDA},
     "device gpu": (["--device", "gpu"], "unknown device 'gpu'"),
     "device mps": (["--device", "mps"], "device mps is not available"),
+    "device meta": (["--device", "meta"], "--device: device meta holds shapes but no data"),
     "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
     "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
     "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite"),
