@@ -155,7 +155,13 @@ class DecodeStep:
 
 
 def check_padding(attention_mask: torch.Tensor) -> None:
-    """Each row must be its tokens with padding on one side: 0..0 1..1 or 1..1 0..0, never empty."""
+    """The mask must hold only 0 and 1 (or bools), and each row must be its tokens with padding on
+    one side: 0..0 1..1 or 1..1 0..0, never empty."""
+    binary = (attention_mask == 0) | (attention_mask == 1)
+    if not bool(binary.all()):
+        wrong = attention_mask[~binary][0].item()
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), or bools; it holds {wrong!r}")
+    attention_mask = attention_mask.long()
     ones = attention_mask.sum(1)
     if bool((ones == 0).any()):
         raise ValueError(f"row {int((ones == 0).nonzero()[0])} of attention_mask is all padding: nothing to continue")
@@ -220,8 +226,9 @@ def generate(
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
-        attention_mask = attention_mask.to(device).long()
+        attention_mask = attention_mask.to(device)
         check_padding(attention_mask)
+        attention_mask = attention_mask.long()
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the prefill takes the plain causal path
     if max_new_tokens == 0:

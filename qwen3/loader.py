@@ -44,6 +44,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {device} is not available: this machine has {count} CUDA GPU(s), "
                              f"cuda:0 to cuda:{count - 1}")
+    elif device.type == "meta":  # tensors are made there, but with no data to compute on
+        raise ValueError("device meta holds shapes but no data, so the model cannot run on it; "
+                         "expected 'cpu', 'cuda' or 'cuda:N'")
     elif device.type != "cpu":
         try:
             torch.empty(0, device=device)

@@ -467,13 +467,15 @@ class Qwen3Model(nn.Module):
 
 
 def check_input_ids(input_ids, vocab_size: int | None = None) -> None:
-    """TypeError unless a LongTensor [batch, seq_len]; with vocab_size, ValueError unless ids in range."""
+    """TypeError unless a LongTensor [batch, seq_len]; with vocab_size, ValueError unless ids in range
+    (that check reads the ids' smallest and largest back to the host: one sync on a GPU)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
         raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
     if vocab_size is None or not input_ids.numel():
         return
-    if not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab_size:
-        raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read-back for both
+    if not 0 <= low <= high < vocab_size:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab_size}), got ids from {low} to {high}")
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -528,6 +530,14 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError("packed sequences take input_ids [1, T], no attention_mask, and cu_seqlens, "
                              "an int32 tensor [N + 1] of sequence bounds")
         device = input_ids.device
+        if cache is None and not static_shapes(device):
+            # The plain `model(input_ids)` call: an id outside the vocabulary would be an IndexError
+            # in the embedding on the CPU and a device-side assert on CUDA. The check's one read-back
+            # is a sync, acceptable once per whole no-cache forward. Not checked: a forward with a
+            # cache (generate checks its prompt before the prefill; the serving engine's steps and
+            # graphs are fed by checked requests), and one being captured or compiled, which
+            # cannot read tensors back.
+            check_input_ids(input_ids, self.config.vocab_size)
         if positions is None:
             if cache is not None:
                 raise ValueError("with a cache, pass positions: each token's position in its row")

@@ -9,7 +9,8 @@ FastAPI on uvicorn: the ASGI stack vLLM and SGLang serve with, well kept and sma
 Starlette's StreamingResponse (server-sent events), which cancels the stream's task when the
 client disconnects, so a dropped stream cancels its sequence and frees its blocks; the JSON
 bodies are parsed by hand and checked by pydantic, so every bad request gets OpenAI's error
-shape ({"error": {"message", "type", "param", "code"}}), never FastAPI's own 422.
+shape ({"error": {"message", "type", "param", "code"}}), never FastAPI's own 422; so do an unknown
+path (404) and a wrong method (405), which Starlette would answer with {"detail": ...}.
 
 The engine runs in a process of its own and owns the model (qwen3/engine_process.py); a request
 hands it a callback, called on the thread that receives the engine's outputs, that appends each
@@ -43,7 +44,9 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
@@ -353,6 +356,22 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError):
         return err.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        """Starlette's own refusals, an unknown path (404) and a wrong method (405), in OpenAI's shape."""
+        asked = f"{request.method} {request.url.path}"
+        if err.status_code == 404:
+            endpoints = ", ".join(f"{'/'.join(sorted(route.methods))} {route.path}" for route in app.routes
+                                  if isinstance(route, APIRoute))
+            message = f"Invalid URL ({asked}): this server serves {endpoints}"
+        elif err.status_code == 405:
+            message = f"Invalid method ({asked}): {request.url.path} takes {(err.headers or {}).get('Allow')}"
+        else:
+            message = str(err.detail)
+        response = OpenAIError(err.status_code, message).response()
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):

@@ -111,9 +111,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="split the model over the processes torchrun starts (torchrun --nproc-per-node N "
                         "generate.py --tensor-parallel ...): one GPU each with NCCL, or CPU processes with gloo; "
                         "rank 0 prints")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+    # None until parsed: a flag the user gave is told apart from the default (see chat_note).
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
-    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="let the model think first (Qwen3's enable_thinking; default: on)")
     args = p.parse_args(argv)
     if args.prompt and "" in args.prompt:
@@ -136,6 +137,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tensor-parallel runs under torchrun, which starts one process per rank: "
                 "torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel ...")
     return args
+
+
+def header_text(prompt: str) -> str:
+    """A prompt as its batch header shows it, on one line: as typed when every character prints
+    as itself, else as a Python string literal (a line break shows as \\n, a tab as \\t), so that
+    the header stays one line and the prompt can still be read exactly."""
+    return prompt if prompt.isprintable() else repr(prompt)
+
+
+def chat_note(args: argparse.Namespace, tokenizer) -> str | None:
+    """What to tell a user who asked for the chat template (--chat, or --thinking/--no-thinking
+    without --no-chat) of a model that has none; None when there is nothing to say. The defaults
+    ask for nothing: a base model (the shipped one) runs its plain prompt without a word."""
+    if tokenizer.chat_template:
+        return None
+    asked = ["--chat"] if args.chat else []
+    if args.thinking is not None and args.chat is not False:
+        asked.append("--thinking" if args.thinking else "--no-thinking")
+    if not asked:
+        return None
+    return (f"{args.model} has no chat template, so {' and '.join(asked)} changes nothing: "
+            "the prompt is used as plain text")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -165,7 +188,11 @@ def run(args: argparse.Namespace) -> None:
     except (OSError, ValueError, torch.OutOfMemoryError) as err:
         fail(f"cannot load {args.model}: {err}")
 
-    rows = [prompt_ids(tokenizer, p, chat=args.chat, thinking=args.thinking) for p in args.prompt]
+    note = chat_note(args, tokenizer)
+    if note and show:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    chat, thinking = args.chat is not False, args.thinking is not False  # both on by default
+    rows = [prompt_ids(tokenizer, p, chat=chat, thinking=thinking) for p in args.prompt]
     for prompt, row in zip(args.prompt, rows):
         if not row:
             fail(f"the prompt {prompt!r} encodes to no tokens")
@@ -210,12 +237,15 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(texts[0][-1] + "\n")
     else:
         for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
-            sys.stdout.write(f"=== [{i}] {prompt}\n{''.join(text)}\n")
+            sys.stdout.write(f"=== [{i}] {header_text(prompt)}\n{''.join(text)}\n")
     sys.stdout.flush()
 
     prefill_ms = (stamps[0] - start) * 1e3
-    decode_steps = len(stamps) - 1
-    decode_rate = decode_steps / (stamps[-1] - stamps[0]) if decode_steps else float("nan")
+    decode_steps = len(stamps) - 1  # the prefill gives the first token; every later one is a decode step
+    decode = "no decode steps"  # one new token (--max-new-tokens 1, or an end at the first): no rate to give
+    if decode_steps:
+        rate = decode_steps / (stamps[-1] - stamps[0])
+        decode = f"{decode_steps} decode steps at {rate:.1f} steps/s ({rate * len(rows):.1f} tok/s)"
     if device.type == "cuda":
         peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB GPU"
     else:
@@ -224,8 +254,7 @@ def run(args: argparse.Namespace) -> None:
     parallel = f", tensor parallel over {model.tp.size} ranks" if model.tp else ""
     print(
         f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "
-        f"{decode_steps} decode steps at {decode_rate:.1f} steps/s ({decode_rate * len(rows):.1f} tok/s), "
-        f"peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
+        f"{decode}, peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
         file=sys.stderr,
     )
 

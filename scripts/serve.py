@@ -10,6 +10,8 @@ on the CPU too. Then:
 """
 
 import argparse
+import errno
+import socket
 import sys
 from pathlib import Path
 
@@ -36,22 +38,24 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog="serve.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="checkpoint directory (HF layout)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, metavar="DIR",
+                   help="checkpoint directory in Hugging Face layout (default: weights/qwen3-stdlib-tiny)")
     p.add_argument("--served-model-name", default=None, help="the name clients ask for (default: the directory's)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on; 0: any free one, named in the line serve.py prints (default: 8000)")
     p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most (default: 16)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a place in the batch; more get 429 (default: 256)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV-cache blocks (default: CUDA: 80%% of free GPU memory, at most what max-batch full-"
-                        "context sequences use; CPU: 2048 tokens per batch row)")
+                        "context sequences use; CPU: the context or 2048 tokens, whichever is less, per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="prompt tokens admitted and prefilled per engine step at most, a longer prompt alone "
                         f"(default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
@@ -62,7 +66,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
     if args.num_blocks is not None and args.num_blocks < 1:
         p.error(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in [0, 65535], got {args.port}")
     return args
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port as uvicorn binds one (IPv6 when the host has a colon,
+    SO_REUSEADDR), or the exit with one line that says why not. It is bound before the engine
+    starts: a port in use ends here, before minutes of loading and with no engine process."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:  # socket.gaierror (an unknown host name) is one too
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            sys.exit(f"serve.py: error: port {port} on {host} is in use; pick another with --port")
+        sys.exit(f"serve.py: error: cannot listen on {host} port {port}: {err.strerror or err} (see --host, --port)")
+    return sock
 
 
 def main(argv=None) -> None:
@@ -84,6 +106,7 @@ def main(argv=None) -> None:
     spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
                       block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
                       cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)
+    sock = bind(args.host, args.port)
     try:
         tokenizer = load_tokenizer(args.model)
         engine = EngineProcess(spec)  # the model is loaded in the engine's process, not here
@@ -91,10 +114,20 @@ def main(argv=None) -> None:
         sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
     name = args.served_model_name or args.model.resolve().name
     limits = engine.limits
-    print(f"serving {name} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV blocks of "
-          f"{limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    url = f"http://[{args.host}]:{port}" if ":" in args.host else f"http://{args.host}:{port}"
+    print(f"serving {name} at {url} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV "
+          f"blocks of {limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(engine, tokenizer, name), host=args.host, port=args.port, log_level="warning")
+    # uvicorn listens on the socket bound above (uvicorn.run would bind its own).
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, name), host=args.host, port=port,
+                                           log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # as uvicorn.run: Ctrl-C before the server has taken over the signal
+        pass
+    if not server.started:  # the app's startup failed; uvicorn has logged why
+        sys.exit(1)
 
 
 if __name__ == "__main__":

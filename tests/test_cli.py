@@ -1,7 +1,9 @@
-"""scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here."""
+"""scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here (and the
+--help of both front ends, generate.py and serve.py)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +25,15 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("cli-model")
     save(hf_model(seed=21), path)
     return save_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(model_dir, tmp_path_factory):
+    """model_dir's weights with a tokenizer that has no chat template, as a base model's."""
+    path = tmp_path_factory.mktemp("cli-base-model")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (path / name).symlink_to(model_dir / name)
+    return save_tokenizer(path, chat=False)
 
 
 def run_cli(*args, timeout=300):
@@ -100,6 +111,42 @@ def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_
     assert "norm torch]" in batch.stderr  # auto, resolved for the CPU
 
 
+def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
+    """A prompt whose characters do not all print as themselves (a line break) is shown as a
+    Python string literal, so that its `=== [i]` header stays one line; a plain one as typed."""
+    prompts = ["def add(a, b):\n    return", "x"]
+    result = run_cli("--model", str(model_dir), "--prompt", prompts[0], "--prompt", prompts[1],
+                     "--max-new-tokens", "2", "--temperature", "0", "--no-chat")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"=== [0] {prompts[0]!r}\n"), result.stdout
+    assert "\n=== [1] x\n" in result.stdout, result.stdout
+
+
+def test_one_new_token_reports_no_decode_rate(model_dir):
+    """--max-new-tokens 1: the prefill gives the only token, so there is no decode step to time."""
+    result = run_cli("--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "1", "--no-chat")
+    assert result.returncode == 0, result.stderr
+    [summary] = result.stderr.splitlines()
+    assert "no decode steps" in summary and "nan" not in summary and "steps/s" not in summary, summary
+
+
+def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir):
+    """--chat or --thinking asked of a base model: one note on stderr, and the plain prompt's text,
+    as the defaults give it; the defaults themselves say nothing."""
+    greedy = ["--model", str(base_model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "4",
+              "--temperature", "0"]
+    default = run_cli(*greedy)
+    assert default.returncode == 0, default.stderr
+    assert "chat template" not in default.stderr, default.stderr
+    for flags, named in ((["--chat", "--no-thinking"], "--chat and --no-thinking"), (["--thinking"], "--thinking")):
+        result = run_cli(*greedy, *flags)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == default.stdout
+        note, _summary = result.stderr.splitlines()
+        assert note.startswith(f"generate.py: note: {base_model_dir} has no chat template, so {named} "), note
+        assert note.endswith("the prompt is used as plain text"), note
+
+
 def test_seeded_sampling_repeats(model_dir):
     args = ["--model", str(model_dir), "--prompt", "import os", "--prompt", "for i in range(3):",
             "--max-new-tokens", "8", "--seed", "7", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
@@ -116,15 +163,24 @@ def test_auto_norm_is_triton_on_cuda_and_torch_on_the_cpu():
     assert resolve_impl("auto", torch.device("cpu")) == "torch"
 
 
-def test_help_shows_the_defaults():
-    result = run_cli("--help")
-    assert result.returncode == 0
-    options = result.stdout.split("options:")[1]
-    for flag in ("--model", "--norm", "--device", "--dtype", "--max-new-tokens", "--temperature", "--top-k",
-                 "--top-p", "--min-p", "--repetition-penalty", "--presence-penalty", "--seed", "--threads",
-                 "--cuda-graph", "--chat", "--thinking"):
-        text = " ".join(options.split(flag, 1)[1].split("\n  --", 1)[0].split())
-        assert "(default: " in text or "; default: " in text, f"{flag} does not say its default"
+@pytest.mark.parametrize("script, without_default", [
+    ("generate.py", {"--help", "--prompt", "--prompt-file", "--tensor-parallel"}),
+    ("serve.py", {"--help"}),
+])
+def test_help_shows_every_flags_default(script, without_default):
+    """Each flag that --help lists says its default (but those that have none: the prompts, a switch)."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    entries = re.split(r"\n  (?=-)", result.stdout.split("options:")[1])  # a flag's entry is indented by two
+    shown = {}
+    for entry in entries[1:]:
+        flag = re.search(r"--[\w-]+", entry).group()  # its long name: -h, --help -> --help
+        shown[flag] = " ".join(entry.split())
+    assert "--model" in shown and without_default <= set(shown), sorted(shown)
+    for flag, text in shown.items():
+        if flag not in without_default:
+            assert "(default: " in text or "; default: " in text, f"{script} {flag} does not say its default: {text}"
 
 
 # A user's mistakes, each ending in one line on stderr (no traceback) and a non-zero exit status.
@@ -134,6 +190,7 @@ MISTAKES = {
     **{f"device {d}": (["--device", d], f"device {d} is not available") for d in ABSENT_CUDA},
     "device gpu": (["--device", "gpu"], "unknown device 'gpu'"),
     "device mps": (["--device", "mps"], "device mps is not available"),
+    "device meta": (["--device", "meta"], "--device: device meta holds shapes but no data"),
     "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
     "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
     "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite"),

@@ -123,6 +123,12 @@ def test_right_padded_batch_generates_each_row_as_alone(models, norm_impl):
 def test_padding_between_tokens_or_an_empty_row_is_refused(models):
     _, ours = models
     ids = torch.ones(2, 4, dtype=torch.long, device=DEVICE)
+    for mask in ([[1, 1, 1, 1], [0, 2, 2, 2]], [[1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 1.0, 1.0]]):
+        with pytest.raises(ValueError, match=r"attention_mask must hold only 0 \(padding\) and 1 \(token\), or bools"):
+            ours.generate(ids, attention_mask=torch.tensor(mask, device=DEVICE))
+    bools = torch.tensor([[True, True, True, True], [False, True, True, True]], device=DEVICE)
+    assert torch.equal(ours.generate(ids, attention_mask=bools, max_new_tokens=3, temperature=0.0),
+                       ours.generate(ids, attention_mask=bools.long(), max_new_tokens=3, temperature=0.0))
     with pytest.raises(ValueError, match="row 1 of attention_mask has padding between its tokens"):
         ours.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]], device=DEVICE))
     with pytest.raises(ValueError, match="row 0 of attention_mask is all padding"):

@@ -186,6 +186,9 @@ def test_default_dtype_is_float32_on_the_cpu_and_names_are_accepted(tmp_path):
 def test_unknown_or_absent_devices_are_refused(checkpoint):
     with pytest.raises(ValueError, match="unknown device 'gpu'; expected 'cpu', 'cuda' or 'cuda:N'"):
         load(checkpoint, device="gpu")
+    for meta in ("meta", torch.device("meta")):  # refused here, not in generate's first step
+        with pytest.raises(ValueError, match="device meta holds shapes but no data.* expected 'cpu', 'cuda' or"):
+            load(checkpoint, device=meta)
     absent = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ValueError, match=f"device {absent} is not available"):
         load(checkpoint, device=absent)

@@ -236,6 +236,10 @@ def test_forward_refuses_bad_input(tmp_path):
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="exceed max_position_embeddings=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+    vocab = model.config.vocab_size
+    for bad in (vocab, -1):  # not the embedding's IndexError (on CUDA, a device-side assert)
+        with pytest.raises(ValueError, match=rf"input_ids must be token ids in \[0, {vocab}\), got ids from "):
+            model(torch.tensor([[1, bad, 2]]))
 
 
 def test_training_steps_give_the_same_losses_with_either_norm():

@@ -260,6 +260,20 @@ def test_bad_requests_get_openai_errors(server):
     assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
+def test_an_unknown_path_or_method_gets_an_openai_error(server):
+    """Not FastAPI's {"detail": "Not Found"}: the error shape of every other refusal, naming what was asked."""
+    r = httpx.post(f"{server}/v1/complete", json={"prompt": "x"}, timeout=30)
+    error = error_of(r)
+    assert r.status_code == 404 and error["type"] == "invalid_request_error", r.text
+    assert "POST /v1/complete)" in error["message"] and "POST /v1/completions" in error["message"], error
+    r = httpx.get(f"{server}/v1/completions", timeout=30)
+    error = error_of(r)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert "GET /v1/completions" in error["message"] and "takes POST" in error["message"], error
+    with pytest.raises(openai.NotFoundError, match=r"Invalid URL \(POST /v1/embeddings\)"):  # what the client says
+        client(server).embeddings.create(model=NAME, input="x")
+
+
 def test_past_the_queue_bound_requests_get_429_and_the_rest_are_served(server):
     """MAX_BATCH run, MAX_WAITING wait, the rest are refused with 429; closing every stream
     cancels the accepted ones (waiting ones included) and the cache comes back full."""
@@ -333,3 +347,17 @@ def test_a_bad_flag_ends_serve_py_with_one_line(flags, message):
                             capture_output=True, text=True, timeout=SERVER_START_S, env=ENV, cwd=ROOT)
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.splitlines() == [message]
+
+
+def test_a_port_in_use_ends_serve_py_with_one_line():
+    """Another program listens on the port: one line that says so, and no "serving" line before it."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port),
+                                 "--device", "cpu"], capture_output=True, text=True, timeout=SERVER_START_S,
+                                env=ENV, cwd=ROOT)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"serve.py: error: port {port} on 127.0.0.1 is in use; "
+                                          "pick another with --port"]
