@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from ops import IMPLS  # noqa: E402
 from qwen3.config import Qwen3Config  # noqa: E402
-from qwen3.engine import PREFILL_TOKENS  # noqa: E402
+from qwen3.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
 from qwen3.engine_process import EngineProcess, EngineSpec  # noqa: E402
 from qwen3.loader import DTYPES, resolve_device, resolve_dtype  # noqa: E402
 from qwen3.text import load_tokenizer  # noqa: E402
@@ -59,8 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps from CUDA graphs, one per batch-size bucket, and prompts of up to "
-                        "2048 tokens from one per length bucket (default: on CUDA)")
+                   help="replay decode steps from CUDA graphs, one per batch-size bucket, and a step's prompts, "
+                        f"packed, up to {PREFILL_GRAPH_TOKENS} tokens, from one per token-count bucket "
+                        "(default: on CUDA)")
     args = p.parse_args(argv)
     if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
