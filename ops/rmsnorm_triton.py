@@ -14,10 +14,8 @@ Rows whose leading dims collapse into at most two strides are read in place (a c
 q part of a fused qkv projection viewed as (B, S, H, head_dim)). Outputs are contiguous.
 
 Triton binds and specializes every argument of every launch on the host, so a kernel takes only
-what the call uses: an absent residual or sum is None, and so is the row layout of a contiguous
-input (its rows are then addressed as `row * D`). The backward recomputes each row's rstd from
-the input it reads anyway, so the forward stores nothing for it and is the same with or without
-autograd.
+what the call uses: an absent residual, sum or rstd is None, and so is the row layout of a
+contiguous input (its rows are then addressed as `row * D`).
 """
 
 import contextlib
@@ -46,11 +44,11 @@ def _row_start(row, layout):
 
 @triton.jit(do_not_specialize=["n_rows", "eps"])
 def _forward_one_pass(
-    X, R, W, Y, S, n_rows, D, eps, x_rows, r_rows,
+    X, R, W, Y, S, RSTD, n_rows, D, eps, x_rows, r_rows,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, FULL_ROW: tl.constexpr,
 ):
     """BLOCK_ROWS rows per program, each held whole in registers. R (the residual) and S (the sum
-    written out) are None without a residual. x_rows,
+    written out) are None without a residual; RSTD is None unless the backward needs it. x_rows,
     r_rows: the row layout (row_layout) of a strided x or residual, None where it is a plain
     (rows, D) tensor, addressed without the layout's 64-bit divisions.
     FULL_ROW: D == BLOCK_D, so no column mask and a row stride known at compile time (fewer
@@ -80,6 +78,8 @@ def _forward_one_pass(
         tl.store(S + out_rows, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)
+    if RSTD is not None:
+        tl.store(RSTD + rows, rstd, mask=row_ok)
     # x has the dtype of the row being normalized (the sum's, with a residual), HF's rounding dtype.
     normalized = round_to(xf * rstd[:, None], x.dtype).to(tl.float32)
     tl.store(Y + out_rows, round_to(normalized * w[None, :], Y.dtype.element_ty), mask=mask)
@@ -87,7 +87,7 @@ def _forward_one_pass(
 
 @triton.jit(do_not_specialize=["eps"])
 def _forward_looped(
-    X, R, W, Y, S, eps, x_rows, r_rows,
+    X, R, W, Y, S, RSTD, eps, x_rows, r_rows,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One row per program, two passes over it in BLOCK_D chunks: sum of squares, then normalize.
@@ -116,6 +116,8 @@ def _forward_looped(
         xf = x.to(tl.float32)
         acc += xf * xf
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    if RSTD is not None:
+        tl.store(RSTD + row, rstd)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         ok = cols < D
@@ -128,9 +130,9 @@ def _forward_looped(
         tl.store(Y + out_row + cols, round_to(normalized * w, Y.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["n_rows", "rows_per_program", "eps"])
+@triton.jit(do_not_specialize=["n_rows", "rows_per_program"])
 def _backward(
-    DY, X, W, DS, DX, DW_PARTIAL, n_rows, D, eps, rows_per_program, x_rows,
+    DY, X, W, RSTD, DS, DX, DW_PARTIAL, n_rows, D, rows_per_program, x_rows,
     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dx and per-program fp32 partial sums of dweight for a contiguous range of rows.
@@ -139,8 +141,7 @@ def _backward(
     dy * w rounded to y's dtype (the multiply's backward runs in that dtype); dweight is
     sum(dy * normalized_rounded) accumulated in fp32. DS, where not None, is the gradient of the
     residual-sum output of the fused op (the sum also feeds the next residual branch), added to dx.
-    x_rows: x's row layout, None where contiguous. Each row's rstd is recomputed from x, as the
-    forward computes it.
+    x_rows: x's row layout, None where contiguous.
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
@@ -159,7 +160,7 @@ def _backward(
         else:
             x = tl.load(X + _row_start(rows, x_rows)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + out_rows, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         normalized = x * rstd[:, None]
         dw += tl.sum(dy * round_to(normalized, X.dtype.element_ty).to(tl.float32), axis=0)
         dn = round_to(dy * w[None, :], DY.dtype.element_ty).to(tl.float32)
@@ -326,23 +327,24 @@ def _device_of(x: torch.Tensor):
     return _CURRENT_DEVICE
 
 
-def forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
-            residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel on inputs validated by ops: returns (y, the sum or None).
+def forward(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            store_rstd: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Launch the forward kernel on inputs validated by ops: returns (y, the sum or None, rstd).
     The sum has torch's dtype for `x + residual`, y the promotion of the normalized input's dtype
-    with the weight's."""
+    with the weight's; rstd is fp32 per row (flat), empty unless store_rstd."""
     D = x.shape[-1]
     n_rows = x.numel() // D
     in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     summed = None if residual is None else _empty(x, in_dtype)
     y = _empty(x, in_dtype if weight.dtype == in_dtype else torch.promote_types(in_dtype, weight.dtype))
+    rstd = x.new_empty(n_rows if store_rstd else 0, dtype=torch.float32)
     if n_rows == 0:
-        return y, summed
+        return y, summed, rstd
     x, x_rows = _readable_rows(x)
     r_rows = None
     if residual is not None:
         residual, r_rows = _readable_rows(residual)
-    args = (x, residual, weight.contiguous(), y, summed)
+    args = (x, residual, weight.contiguous(), y, summed, rstd if store_rstd else None)
     launch = forward_launch(D, x.element_size(), residual is not None)
     with _device_of(x):
         if isinstance(launch, OnePass):
@@ -353,10 +355,10 @@ def forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
         else:
             _forward_looped[(n_rows,)](
                 *args, eps, x_rows, r_rows, D=D, BLOCK_D=launch.chunk, num_warps=launch.warps)
-    return y, summed
+    return y, summed, rstd
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
              d_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight) for y = rms_norm(x) (plus d_sum, the gradient reaching the fused op's sum)."""
     D = x.shape[-1]
@@ -370,12 +372,12 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
     launch = backward_launch(D, x.device)
     programs, rows_per_program = backward_grid(n_rows, launch.rows, launch.max_programs)
     partial = x.new_empty(programs * D, dtype=torch.float32)  # flat: a 1-D size is the cheapest to allocate
+    dw = torch.empty_like(weight)
     with _device_of(x):
         _backward[(programs,)](
-            dy.contiguous(), x, weight.contiguous(), None if d_sum is None else d_sum.contiguous(),
-            dx, partial, n_rows, D, eps, rows_per_program, x_rows,
+            dy.contiguous(), x, weight.contiguous(), rstd.contiguous(), None if d_sum is None else d_sum.contiguous(),
+            dx, partial, n_rows, D, rows_per_program, x_rows,
             BLOCK_ROWS=launch.rows, BLOCK_D=launch.block_d, num_warps=launch.warps)
-        dw = torch.empty_like(weight)
         _sum_partials[(_cdiv(D, SUM_BLOCK_D),)](
             partial, dw, programs, D, BLOCK_ROWS=SUM_BLOCK_ROWS, BLOCK_D=SUM_BLOCK_D, num_warps=4)
     return dx, dw
@@ -384,79 +386,100 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
 # ----------------------------------------------------------------------------- ops and autograd
 
 
+# The public calls, on inputs validated by ops. store_rstd is whether autograd will record the call:
+# only then does the forward write rstd, for the backward.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    store_rstd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return rms_norm_op(x, weight, eps, store_rstd)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    store_rstd = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    y, summed, _ = fused_add_rms_norm_op(x, residual, weight, eps, store_rstd)
+    return y, summed
+
+
 # The ops are declared with torch.library.define and given a kernel per device, a fake (for
 # torch.compile) and an autograd formula: what @torch.library.custom_op registers, without the
 # Python layers its wrapper adds to every call (a dynamo guard, an output aliasing check).
 SCHEMAS = {
-    "rms_norm": "(Tensor x, Tensor weight, float eps) -> Tensor",
-    "fused_add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-    "rms_norm_backward": "(Tensor dy, Tensor x, Tensor weight, float eps, Tensor? d_sum) -> (Tensor, Tensor)",
+    "rms_norm": "(Tensor x, Tensor weight, float eps, bool store_rstd) -> (Tensor, Tensor)",
+    "fused_add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps, bool store_rstd)"
+                          " -> (Tensor, Tensor, Tensor)",
+    "rms_norm_backward": "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, Tensor? d_sum) -> (Tensor, Tensor)",
 }
 for _name, _schema in SCHEMAS.items():
     torch.library.define(f"qwen3_ops::{_name}", _schema, tags=(torch.Tag.pt2_compliant_tag,))
-# The public calls, on inputs validated by ops: rms_norm(x, weight, eps) -> y,
-# fused_add_rms_norm(x, residual, weight, eps) -> (y, x + residual).
-rms_norm = torch.ops.qwen3_ops.rms_norm.default
-fused_add_rms_norm = torch.ops.qwen3_ops.fused_add_rms_norm.default
-rms_norm_backward = torch.ops.qwen3_ops.rms_norm_backward.default  # (dx, dweight)
+rms_norm_op = torch.ops.qwen3_ops.rms_norm.default  # (y, rstd); rstd is empty unless store_rstd
+fused_add_rms_norm_op = torch.ops.qwen3_ops.fused_add_rms_norm.default  # (y, x + residual, rstd)
+rms_norm_backward_op = torch.ops.qwen3_ops.rms_norm_backward.default  # (dx, dweight)
 DEVICES = ("cuda", "cpu")  # cpu: Triton's interpreter (TRITON_INTERPRET=1)
 
 
 @torch.library.impl("qwen3_ops::rms_norm", DEVICES)
-def _(x, weight, eps):
-    return forward(x, weight, eps)[0]
+def _(x, weight, eps, store_rstd):
+    y, _, rstd = forward(x, weight, eps, store_rstd=store_rstd)
+    return y, rstd
 
 
 @torch.library.impl("qwen3_ops::fused_add_rms_norm", DEVICES)
-def _(x, residual, weight, eps):
-    return forward(x, weight, eps, residual=residual)
+def _(x, residual, weight, eps, store_rstd):
+    return forward(x, weight, eps, residual=residual, store_rstd=store_rstd)
 
 
 torch.library.impl("qwen3_ops::rms_norm_backward", DEVICES, backward)
 
 
-def _fake_output(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+def _fake_outputs(x: torch.Tensor, weight: torch.Tensor, store_rstd: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.numel() // x.shape[-1] if store_rstd else 0, dtype=torch.float32)
 
 
 @torch.library.register_fake("qwen3_ops::rms_norm")
-def _(x, weight, eps):
-    return _fake_output(x, weight)
+def _(x, weight, eps, store_rstd):
+    return _fake_outputs(x, weight, store_rstd)
 
 
 @torch.library.register_fake("qwen3_ops::fused_add_rms_norm")
-def _(x, residual, weight, eps):
+def _(x, residual, weight, eps, store_rstd):
     summed = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
-    return _fake_output(summed, weight), summed
+    y, rstd = _fake_outputs(summed, weight, store_rstd)
+    return y, summed, rstd
 
 
 @torch.library.register_fake("qwen3_ops::rms_norm_backward")
-def _(dy, x, weight, eps, d_sum):
+def _(dy, x, weight, rstd, d_sum):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    *tensors, weight, eps = inputs
+    *tensors, weight, _, store_rstd = inputs
+    if not store_rstd:
+        raise ValueError("a Triton RMSNorm op called with store_rstd=False cannot be differentiated")
     ctx.input_dtypes = [t.dtype for t in tensors]
-    ctx.eps = eps
     # The fused op's backward needs the normalized input, which is its sum output.
-    ctx.save_for_backward(output[1] if len(tensors) == 2 else tensors[0], weight)
+    ctx.save_for_backward(output[1] if len(output) == 3 else tensors[0], weight, output[-1])
+    ctx.mark_non_differentiable(output[-1])
     ctx.set_materialize_grads(False)  # no zero-filled gradient for an output that got none
 
 
-def _rms_norm_grad(ctx, dy):
-    x, weight = ctx.saved_tensors
-    dx, dw = rms_norm_backward(dy, x, weight, ctx.eps, None)
-    return dx, dw, None
+def _rms_norm_grad(ctx, dy, d_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
+    return dx, dw, None, None
 
 
-def _fused_add_rms_norm_grad(ctx, dy, d_sum):
-    summed, weight = ctx.saved_tensors
+def _fused_add_rms_norm_grad(ctx, dy, d_sum, d_rstd):
+    summed, weight, rstd = ctx.saved_tensors
     if dy is None:  # only the sum was used
         dy = summed.new_zeros(summed.shape, dtype=torch.promote_types(summed.dtype, weight.dtype))
-    d_summed, dw = rms_norm_backward(dy, summed, weight, ctx.eps, d_sum)
+    d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
     x_dtype, residual_dtype = ctx.input_dtypes
-    return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None
+    return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None, None
 
 
 torch.library.register_autograd("qwen3_ops::rms_norm", _rms_norm_grad, setup_context=_setup_context)

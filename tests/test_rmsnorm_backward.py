@@ -177,8 +177,8 @@ def test_wide_rows_backward_is_refused():
 @pytest.mark.parametrize(
     "op, args",
     [
-        (tri.rms_norm, lambda x, w: (x, w, 1e-6)),
-        (tri.fused_add_rms_norm, lambda x, w: (x, x.detach().clone().flip(0), w, 1e-5)),
+        (tri.rms_norm_op, lambda x, w, grad: (x, w, 1e-6, grad)),
+        (tri.fused_add_rms_norm_op, lambda x, w, grad: (x, x.detach().clone().flip(0), w, 1e-5, grad)),
     ],
 )
 @pytest.mark.parametrize("grad", [True, False])
@@ -187,13 +187,22 @@ def test_opcheck(op, args, grad):
     # tensors through the interpreter because these are registered ops, opaque to the tracer.
     x = torch.randn(8, 64, device=DEVICE, requires_grad=grad)
     w = torch.randn(64, device=DEVICE, requires_grad=grad)
-    torch.library.opcheck(op, args(x, w))
+    torch.library.opcheck(op, args(x, w, grad))
 
 
 def test_backward_opcheck():
     x, w, dy = make_case(8, 64, torch.float32)
-    torch.library.opcheck(tri.rms_norm_backward, (dy, x, w, 1e-6, None))
-    torch.library.opcheck(tri.rms_norm_backward, (dy, x, w, 1e-6, dy.flip(0)))
+    rstd = tri.rms_norm_op(x, w, 1e-6, True)[1]
+    torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, None))
+    torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, dy.flip(0)))
+
+
+def test_op_without_rstd_refuses_gradients():
+    """Called directly, the op told not to store rstd cannot be differentiated: it says so at the
+    forward instead of running the backward on missing data. (ops.rms_norm sets the flag itself.)"""
+    x, w, _ = make_case(4, 64, torch.float32)
+    with pytest.raises(ValueError, match="store_rstd=False"):
+        tri.rms_norm_op(x.requires_grad_(True), w, 1e-6, False)
 
 
 def block(x, residual, w):
