@@ -18,8 +18,11 @@ Requests join and leave the running batch between decode steps. Each engine step
 Tokens are read one step after their launch, so that the host's work on them (per token: stops,
 detokenizing, an output) overlaps the GPU's next prefills and decode step instead of leaving the
 GPU idle: nothing in a step waits for the GPU except the reading of the step before. A sequence
-that a stop token ends has one more step launched whose token is dropped (and keeps its blocks
-until that is known); max_tokens is known in advance and never overshoots. Freed blocks can be
+that a stop token ends has one more decode step launched whose token is dropped (two when the
+prefill gave the stop token) and keeps its blocks until that is known; max_tokens is known in
+advance and never overshoots. A sequence is admitted with a block for its next token too, and a
+preempted one is not prefilled again while a token of its is in flight, so a sequence's tokens
+are read in order, once. Freed blocks can be
 handed out at once: every step runs on one CUDA stream, so a block's next owner writes it after
 the in-flight step that may still write it.
 
@@ -68,7 +71,6 @@ PREFILL_TOKENS = 4096
 # launches from Python whatever its length, many times a short pack's GPU time.
 PREFILL_GRAPH_TOKENS = 4096
 PACKED_SEQUENCES = 64
-
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,7 @@ class Sequence:
     text: str = ""  # generated text decoded so far
     sent: int = 0  # characters of text already handed out
     finish_reason: str | None = None
+    unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
 
     def __post_init__(self) -> None:
         params = self.request.params
@@ -466,7 +469,11 @@ class Engine:
         admitted, tokens = [], 0
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            need = self.cache.blocks_for(len(seq.ids))
+            if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
+                break
+            # Blocks for its tokens and the next one's position, so that no sequence admitted
+            # here is preempted before its prefill's token has been read.
+            need = self.cache.blocks_for(len(seq.ids) + 1)
             over_budget = admitted and tokens + len(seq.ids) > self.prefill_tokens
             if over_budget or self.cache.num_free - need < len(self.running):
                 break
@@ -542,6 +549,8 @@ class Engine:
 
     def _send_back(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Queue the copy of the tokens [B] sampled for seqs to the host; the next step reads them."""
+        for s in seqs:
+            s.unread += 1
         if tokens.device.type != "cuda":
             self.in_flight.append(LaunchedStep(seqs, tokens, None))
             return
@@ -556,6 +565,7 @@ class Engine:
         if step.ready is not None:
             step.ready.synchronize()
         for s, token in zip(step.seqs, step.tokens.tolist()):
+            s.unread -= 1
             if s.finish_reason is None:
                 self._accept(s, token)
 

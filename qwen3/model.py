@@ -60,8 +60,35 @@ except ImportError:
 
 
 def varlen_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether packed sequences attend through varlen flash attention (CUDA, 16-bit)."""
+    """Whether packed sequences attend through varlen flash attention (CUDA, 16-bit, torch >= 2.10)."""
     return varlen_attn is not None and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal attention of sequences packed back to back: q [T, H, hd], k and v [T, K, hd], sequence
+    i at tokens [cu_seqlens[i], cu_seqlens[i + 1]) attending to its own tokens only -> [T, H, hd]
+    (the padding's rows are unset or junk). varlen flash attention where it runs (no host sync: a
+    CUDA graph captures it); else SDPA under `mask` [T, T] (block-diagonal causal) when given,
+    which a graph also captures; else SDPA per sequence, the bounds read back to the host."""
+    T, H, _ = q.shape
+    if varlen_supported(q.device, q.dtype):
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, T, T, scale=scale, **VARLEN_CAUSAL)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, hd]
+    group = H // k.shape[0]
+    gqa = group > 1
+    with sdpa_kernel(SDPA_BACKENDS):
+        if mask is not None:
+            if gqa and q.is_cuda:  # see SDPA_BACKENDS: a masked GQA call wants k/v per query head
+                k, v, gqa = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0), False
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa).transpose(0, 1)
+        out = q.new_zeros(q.shape)
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds, bounds[1:]):
+            if end > start:
+                out[:, start:end] = F.scaled_dot_product_attention(
+                    q[:, start:end], k[:, start:end], v[:, start:end], is_causal=True, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)
 
 
 class RMSNorm(nn.Module):
@@ -256,17 +283,14 @@ def prepare_batch(
     cache: KVCache | PagedKVCache | None = None,
     valid: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
-    from_start: bool = False,
     cu_seqlens: torch.Tensor | None = None,
 ) -> ForwardBatch:
     """The ForwardBatch of tokens at `positions` [B, T]; valid [B, T] bool marks real tokens
     (None: all); block_table [B, M] names each row's blocks of a PagedKVCache (a KVCache: None).
-    from_start: the caller's word that every row starts at position 0 and is right-padded.
     cu_seqlens [N + 1]: the one row (B = 1) holds N sequences back to back, each from position 0
     (block_table [N, M]: each sequence's blocks); tokens past cu_seqlens[-1] are padding.
     Attention covers, for each token, its row's tokens at positions <= its own:
-    - packed sequences: each token its own sequence's tokens, causal (varlen flash attention on
-      CUDA in 16 bits, elsewhere SDPA under a block-diagonal causal mask);
+    - packed sequences: each token its own sequence's tokens, causal (packed_attention);
     - no cache, or a cache whose rows all start at position 0: the new tokens, causal, padding
       masked (the first prefill; a right-padded batch needs no mask);
     - one token per row on the fused path: the Triton decode kernel over each row's first
@@ -289,12 +313,12 @@ def prepare_batch(
                                        tokens < cu_seqlens[-1], block_table)
         elif cache is not None:
             raise ValueError("packed sequences (cu_seqlens) are written to a PagedKVCache only")
-        if varlen_supported(device, dtype):
-            return ForwardBatch(positions, fused, cos, sin, slots, None, None, None, block_table, cu_seqlens)
-        # Elsewhere SDPA over the whole row, each token seeing its own sequence's up to itself (the
-        # padding, a sequence of its own, only itself and the padding before it: no empty row).
-        mask = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
-        return ForwardBatch(positions, fused, cos, sin, slots, mask[None, None], None, None, block_table)
+        mask = None
+        if static_shapes(device) and not varlen_supported(device, dtype):
+            # Each token sees its own sequence's up to itself (the padding, a sequence of its own,
+            # only itself and the padding before it: no empty row).
+            mask = (sequence[:, None] == sequence[None, :]) & (tokens[:, None] >= tokens[None, :])
+        return ForwardBatch(positions, fused, cos, sin, slots, mask, None, None, block_table, cu_seqlens)
     if isinstance(cache, PagedKVCache):
         slots = cache.slots(positions, valid, block_table)
     elif cache is not None:
@@ -302,12 +326,12 @@ def prepare_batch(
     static = static_shapes(device)
     if cache is not None and T == 1 and fused:
         return ForwardBatch(positions, fused, cos, sin, slots, None, None, positions[:, 0] + 1, block_table)
-    if from_start or cache is None or (not static and int(positions[:, 0].max()) == 0):
+    if cache is None or (not static and int(positions[:, 0].max()) == 0):
         mask = None
         # Right padding only (each row's tokens first, as the serving engine batches prompts): the
         # causal rule alone keeps every real token from the padding after it, and SDPA's fused
         # kernels run without a mask (with one, a batch of long prompts took several times longer).
-        right_padded = from_start or (valid is not None and not static and torch.equal(
+        right_padded = (valid is not None and not static and torch.equal(
             valid, torch.arange(T, device=device) < valid.sum(1, keepdim=True)))
         if valid is not None and not right_padded:  # causal, padding keys hidden; each token sees itself (no NaN)
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
@@ -371,10 +395,9 @@ class Attention(nn.Module):
                 out = decode_attention(q.view(B, H, hd), k_blocks, v_blocks, batch.seq_lens, hd**-0.5,
                                        block_table=batch.block_table)
             return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
-        if batch.cu_seqlens is not None:  # packed sequences, each over its own new tokens: varlen flash
-            out = varlen_attn(q[0], k[0], v[0], batch.cu_seqlens, batch.cu_seqlens, T, T, scale=hd**-0.5,
-                              **VARLEN_CAUSAL)  # [T, H, hd]; padding rows left unset
-            return linear(self.o_proj, out.view(B, T, H * hd), batch.fused)
+        if batch.cu_seqlens is not None:  # packed sequences, each over its own new tokens
+            out = packed_attention(q[0], k[0], v[0], batch.cu_seqlens, batch.mask, hd**-0.5)  # [T, H, hd]
+            return linear(self.o_proj, out.reshape(B, T, H * hd), batch.fused)
         if batch.n_keys is None:  # over the new tokens
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, K, T, hd]
         else:  # over each row's cached slots
@@ -502,7 +525,6 @@ class Qwen3ForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B, T] 1 = token, 0 = padding
         last_only: bool = False,  # logits of each row's last real token only (what decoding needs)
         block_table: torch.Tensor | None = None,  # [B, M] long: with a PagedKVCache, each row's blocks
-        from_start: bool = False,  # every row starts at position 0 and is right-padded (see below)
         cu_seqlens: torch.Tensor | None = None,  # [N + 1] int32: B = 1 row of N packed sequences (see below)
     ) -> torch.Tensor:
         """Logits [B, T, V] (with last_only [B, 1, V]). With a cache, `positions` are required: each
@@ -510,12 +532,9 @@ class Qwen3ForCausalLM(nn.Module):
         row's slots up to its own position (earlier steps wrote the ones before). Padding tokens
         are written to a scratch slot and attended by no one but themselves. With a PagedKVCache,
         row b's slot for position p is block_table[b, p // block_size] * block_size + p % block_size.
-        from_start is the caller's word that each row's tokens start at position 0 and any padding
-        follows them (a prompt's first forward): the forward then reads neither positions nor the
-        mask back to the host to find that out, so a CUDA graph can capture it.
         cu_seqlens packs several prompts' first forwards into one: input_ids [1, T] holds N
         sequences back to back, sequence i at tokens [cu_seqlens[i], cu_seqlens[i + 1]), each
-        from position 0 (positions restart with each) and attending to its own tokens only;
+        from position 0 (positions, required, restart with each) and attending to its own tokens only;
         block_table [N, M] holds each sequence's blocks; tokens past cu_seqlens[-1] are padding.
         With last_only the logits are each sequence's last token's, [N, 1, V]."""
         check_input_ids(input_ids)
@@ -525,10 +544,11 @@ class Qwen3ForCausalLM(nn.Module):
         rows = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # a block table row per sequence
         if block_table is not None and (block_table.shape[0] != rows or block_table.dtype != torch.long):
             raise ValueError(f"block_table must be a LongTensor [{rows}, blocks], got {tuple(block_table.shape)}")
-        if cu_seqlens is not None and (B != 1 or attention_mask is not None or cu_seqlens.dim() != 1
-                                       or cu_seqlens.dtype != torch.int32 or len(cu_seqlens) < 2):
-            raise ValueError("packed sequences take input_ids [1, T], no attention_mask, and cu_seqlens, "
-                             "an int32 tensor [N + 1] of sequence bounds")
+        if cu_seqlens is not None and (B != 1 or attention_mask is not None or positions is None
+                                       or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32
+                                       or len(cu_seqlens) < 2):
+            raise ValueError("packed sequences take input_ids [1, T], positions, no attention_mask, and "
+                             "cu_seqlens, an int32 tensor [N + 1] of sequence bounds")
         device = input_ids.device
         if cache is None and not static_shapes(device):
             # The plain `model(input_ids)` call: an id outside the vocabulary would be an IndexError
@@ -563,8 +583,7 @@ class Qwen3ForCausalLM(nn.Module):
         impl = resolve_impl(self.config.norm_impl, device)
         fused = impl == "triton" and not torch.is_grad_enabled()
         dtype = self.model.embed_tokens.weight.dtype
-        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, from_start,
-                              cu_seqlens)
+        batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, cu_seqlens)
         keep = None
         if last_only and cu_seqlens is not None:  # each sequence's last token (an empty one's: any)
             last = (cu_seqlens[1:] - 1).clamp(min=0).long()

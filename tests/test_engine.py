@@ -171,7 +171,7 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl
     """Three prompts packed into one forward (cu_seqlens, padding and an empty sequence at the
     end) into scattered blocks: each one's last-token logits equal transformers' for the prompt
     alone, and so do the logits of a next token decoded through the cache the packed forward
-    wrote (torch path: SDPA per sequence; triton: the fused kernels; on a GPU, varlen flash)."""
+    wrote (fp32: SDPA per sequence; torch path and the fused kernels of the triton one)."""
     reference = hf_model(seed=5, num_hidden_layers=2).to(DEVICE)  # the `model` fixture's checkpoint
     rows = prompts([5, 1, 8], model.config.vocab_size, seed=9)
     nexts = [row[0] for row in prompts([1, 1, 1], model.config.vocab_size, seed=10)]
@@ -193,8 +193,10 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl
                 torch.testing.assert_close(step[i, 0], want[-1], rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
             assert logits.shape[0] == 4  # a row of logits per sequence, the empty one's included
             with pytest.raises(ValueError, match="packed sequences take"):
-                model(torch.tensor([ids, ids], device=DEVICE), cache=cache, positions=torch.zeros(2, 16).long(),
-                      block_table=table, cu_seqlens=cu_seqlens)
+                model(torch.tensor([ids, ids], device=DEVICE), cache=cache, block_table=table, cu_seqlens=cu_seqlens,
+                      positions=torch.zeros(2, 16, dtype=torch.long, device=DEVICE))
+            with pytest.raises(ValueError, match="packed sequences take"):  # positions restart: no default
+                model(torch.tensor([ids], device=DEVICE), cu_seqlens=cu_seqlens)
     finally:
         model.set_norm_impl("auto")
 
@@ -202,17 +204,27 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl
 @requires_cuda
 def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
     """On the GPU in bf16 a pack of prompts runs varlen flash attention, replayed from the graph of
-    its token bucket (the pack's unused sequences empty): each prompt's last-token logits match
+    its token bucket (the pack's unused sequences empty; a second, smaller pack after a larger
+    one, so that its padding holds the first one's ids and positions): each prompt's last-token
+    logits, and those of a next token decoded through the cache the pack wrote, match
     transformers' bf16 forward of the prompt alone."""
     model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device=DEVICE, progress=False)
     reference = hf_model(seed=5, num_hidden_layers=2, dtype=torch.bfloat16).to(DEVICE)
     engine = Engine(model, max_batch=4, n_blocks=32, block_size=16)
-    rows = prompts([5, 1, 23], model.config.vocab_size, seed=12)
-    assert engine.prefill.fits(29, 3)
-    logits = engine.prefill(rows, torch.tensor([[0, 1], [2, 3], [4, 5]], device=DEVICE))
-    for i, row in enumerate(rows):
-        want = reference(torch.tensor([row], device=DEVICE)).logits[0, -1]
-        assert relative_error(logits[i], want) < LOGITS_BF16_REL
+    for seed, lengths in ((12, [40, 1, 23]), (14, [5, 13])):
+        rows = prompts(lengths, model.config.vocab_size, seed=seed)
+        nexts = [row[0] for row in prompts([1] * len(rows), model.config.vocab_size, seed=seed + 1)]
+        table = torch.tensor([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(rows))], device=DEVICE)
+        assert engine.prefill.fits(sum(lengths), len(rows))
+        with torch.inference_mode():
+            logits = engine.prefill(rows, table).clone()
+            step = model(torch.tensor([[t] for t in nexts], device=DEVICE),
+                         torch.tensor([[len(row)] for row in rows], device=DEVICE), cache=engine.cache,
+                         block_table=table)
+            for i, row in enumerate(rows):
+                want = reference(torch.tensor([row + [nexts[i]]], device=DEVICE)).logits[0]
+                assert relative_error(logits[i], want[-2]) < LOGITS_BF16_REL
+                assert relative_error(step[i, 0], want[-1]) < LOGITS_BF16_REL
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -302,6 +314,25 @@ def test_a_sequence_whose_last_token_is_in_flight_takes_no_block(model):
     engine.run()
     assert engine.preemptions == 0 and engine.free_blocks == 3
     assert [tokens(o) for o in outputs] == [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
+
+
+def test_a_request_admitted_when_blocks_are_short_gets_each_token_once(model):
+    """Prefill tokens are read one step after their launch. A request admitted while two running
+    sequences are about to need a block each, then given room by a cancel, must still produce
+    exactly its tokens alone: admitted without a block for its next token it was preempted in
+    the step that prefilled it, prefilled again after the cancel, and read its first token twice."""
+    a, c, b = prompts([4, 4, 4], model.config.vocab_size, seed=13)
+    engine = Engine(model, max_batch=3, n_blocks=7, block_size=4)
+    engine.add(Request(a, 10, GREEDY, eos_ids=()))
+    seq_c = engine.add(Request(c, 10, GREEDY, eos_ids=()))
+    for _ in range(4):
+        engine.step()  # a and c reach position 8: each needs a new block in the next step
+    out_b = collect(engine, Request(b, 3, GREEDY, eos_ids=()))
+    engine.step()
+    engine.cancel(seq_c.id)
+    engine.run(timeout_s=60)
+    assert tokens(out_b) == alone(model, b, 3, temperature=0.0)
+    assert engine.free_blocks == 7
 
 
 def test_cancelling_frees_blocks_at_once_and_the_others_continue(model):
@@ -417,9 +448,10 @@ def test_graph_buckets_and_the_cuda_graph_switch(model):
 @pytest.mark.parametrize("norm_impl", ["triton", "torch"])
 def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
     """On the GPU: packs of prompts of up to 32 tokens in all prefilled from their bucket's graph
-    (2 + 5 + 9 -> 16, 17 -> 24, 30 -> 32) and a longer one eagerly (45), packed forwards through
-    varlen flash attention; decode steps replayed from the per-bucket CUDA graphs (batches of 6,
-    5, 4... padded to buckets 8 and 4): every token is the one the eager engine chooses."""
+    (2 + 5 + 9 -> 16, 17 -> 24, 30 -> 32; in fp32 through SDPA under a block-diagonal mask, which
+    the graph captures) and a longer one eagerly (45, SDPA per sequence); decode steps replayed
+    from the per-bucket CUDA graphs (batches of 6, 5, 4... padded to buckets 8 and 4): every
+    token is the one the eager engine chooses."""
     import qwen3.engine
 
     monkeypatch.setattr(qwen3.engine, "PREFILL_GRAPH_TOKENS", 32)
