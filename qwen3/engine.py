@@ -22,9 +22,8 @@ that a stop token ends has one more decode step launched whose token is dropped 
 prefill gave the stop token) and keeps its blocks until that is known; max_tokens is known in
 advance and never overshoots. A sequence is admitted with a block for its next token too, and a
 preempted one is not prefilled again while a token of its is in flight, so a sequence's tokens
-are read in order, once. Freed blocks can be
-handed out at once: every step runs on one CUDA stream, so a block's next owner writes it after
-the in-flight step that may still write it.
+are read in order, once. Freed blocks can be handed out at once: every step runs on one CUDA
+stream, so a block's next owner writes it after the in-flight step that may still write it.
 
 A sequence gets a block when its next token starts one. When none is free, the sequence
 admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
@@ -35,9 +34,9 @@ running out of blocks makes requests wait, never corrupts or drops them.
 On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
 the bucket's size, padding rows writing to the scratch slot), captured once at start, largest
 first, in one memory pool, as nano-vllm does. A step's prompts are packed back to back into one
-forward (varlen attention, each prompt over its own tokens), replayed from the graph of its
-token-count bucket the same way, up to PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU
-tests exercise the eager paths, the graphed ones run on a GPU only.
+forward (each prompt attending to its own tokens), replayed from the graph of its token-count
+bucket the same way, up to PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU tests
+exercise the eager paths, the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
 qwen3/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
@@ -249,7 +248,7 @@ class PagedPrefillStep:
     """Prompts' first forwards, packed: the tokens of several sequences back to back in one forward
     (each from position 0, attending to its own tokens: the model's cu_seqlens) -> the logits
     [N, V] of each one's last token. Packing keeps the matmuls long whatever the prompts' lengths:
-    on the H200 one 512-token prompt alone costs 4.1 us a token, four packed 2.3. On CUDA, up to
+    a short prompt alone leaves most of the GPU idle (docs/benchmarks/serve-notes.md). On CUDA, up to
     PACKED_SEQUENCES prompts of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of
     the smallest token bucket that holds them (the padding written to the scratch slot); larger
     packs, and every pack on the CPU, run eagerly (`fits`)."""
@@ -486,13 +485,16 @@ class Engine:
             tokens += len(seq.ids)
         # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
         packs: list[list[Sequence]] = []
+        pack_tokens = 0  # in the last pack
         for seq in sorted(admitted, key=lambda s: len(s.ids)):
-            pack = packs[-1] if packs else None
-            if pack is not None and (not self.prefill.buckets or self.prefill.fits(
-                    sum(len(s.ids) for s in pack) + len(seq.ids), len(pack) + 1)):
-                pack.append(seq)
+            joins = packs and (not self.prefill.buckets
+                               or self.prefill.fits(pack_tokens + len(seq.ids), len(packs[-1]) + 1))
+            if joins:
+                packs[-1].append(seq)
+                pack_tokens += len(seq.ids)
             else:
                 packs.append([seq])
+                pack_tokens = len(seq.ids)
         for pack in packs:
             self._prefill(pack)
 
@@ -551,12 +553,11 @@ class Engine:
         """Queue the copy of the tokens [B] sampled for seqs to the host; the next step reads them."""
         for s in seqs:
             s.unread += 1
-        if tokens.device.type != "cuda":
-            self.in_flight.append(LaunchedStep(seqs, tokens, None))
-            return
-        ready = torch.cuda.Event()
-        tokens = tokens.to("cpu", non_blocking=True)
-        ready.record()
+        ready = None  # the CPU's tokens are there already
+        if tokens.device.type == "cuda":
+            tokens = tokens.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         self.in_flight.append(LaunchedStep(seqs, tokens, ready))
 
     def _accept_step(self, step: LaunchedStep) -> None:
