@@ -29,7 +29,15 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 
 __all__ = ["decode_attention", "num_splits"]
 
-BLOCK_N = 64  # keys per inner step
+# Keys per inner step: 128 where a row's keys make few slices (the serving engine's batches: each
+# program streams longer runs of keys per loop trip), 64 where they make many (batch 1-8), so that
+# a short row still spreads over several slices, and for fp32 or heads over 128 wide, whose
+# 128-key tiles of two pipeline stages would not fit in shared memory. Both paths (paged,
+# contiguous) take the same rule, so they give the same bits for the same batch
+# (docs/benchmarks/decode-notes.md has the sweep).
+BLOCK_N = 64
+BLOCK_N_FEW_SLICES = 128
+FEW_SLICES = 4
 # Loads issued one key block ahead: a deeper pipeline only adds shared memory and reads no faster
 # (docs/benchmarks/decode-notes.md).
 STAGES = 2
@@ -44,6 +52,12 @@ def num_splits(batch: int, n_kv_heads: int) -> int:
     past a row's keys return at once. Without slicing, a batch of 32 rows of 1,000 keys would be
     256 programs each reading its row's keys one block after another: latency-bound."""
     return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), 32))
+
+
+def keys_per_step(splits: int, dtype: torch.dtype, head_dim: int) -> int:
+    """Keys a program reads per loop trip (see BLOCK_N)."""
+    long_tiles = splits <= FEW_SLICES and dtype.itemsize == 2 and head_dim <= 128
+    return BLOCK_N_FEW_SLICES if long_tiles else BLOCK_N
 
 
 @triton.jit
@@ -139,8 +153,8 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
-        SPLITS=splits, BLOCK_N=BLOCK_N, FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=STAGES,
-        launch_pdl=pdl,
+        SPLITS=splits, BLOCK_N=keys_per_step(splits, q.dtype, hd), FP32=q.dtype == torch.float32, PDL=pdl,
+        num_warps=4, num_stages=STAGES, launch_pdl=pdl,
     )
     if splits > 1:
         _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),

@@ -12,7 +12,7 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
-from ops.decode_attention import decode_attention
+from ops.decode_attention import decode_attention, keys_per_step, num_splits
 from qwen3 import PagedKVCache, Qwen3ForCausalLM
 from qwen3.engine import Engine, QueueFull, Request
 from qwen3.sampling import SamplingParams
@@ -114,15 +114,20 @@ def paged_copy(k_rows, v_rows, block_size, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_equals_contiguous(dtype):
+@pytest.mark.parametrize("B", [3, 64], ids=["many-slices", "few-slices"])
+def test_paged_decode_attention_equals_contiguous(dtype, B):
     """The Triton kernel (interpreted on the CPU) reading keys through a block table gives the
-    bits it gives reading the same keys from contiguous rows; so does the torch path (gather)."""
-    B, S, H, K, hd, block = 3, 96, 4, 2, 32, 16
+    bits it gives reading the same keys from contiguous rows, with many slices per row (64 keys
+    a loop trip) and few (128 in 16 bits); so does the torch path (gather)."""
+    S, H, K, hd, block = 96, 4, 2, 32, 16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, hd, generator=gen).to(DEVICE, dtype)
     k_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
     v_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
-    seq_lens = torch.tensor([1, 50, 96], device=DEVICE)
+    seq_lens = torch.tensor([1, 50, 96] if B == 3 else torch.randint(1, S + 1, (B,), generator=gen).tolist(),
+                            device=DEVICE)
+    long_steps = B == 64 and dtype == torch.bfloat16
+    assert keys_per_step(num_splits(B, K), dtype, hd) == (128 if long_steps else 64)
     cache, table = paged_copy(k_rows, v_rows, block)
     k_blocks, v_blocks = cache.blocks(0)
     contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5)
