@@ -64,11 +64,12 @@ from .text import TextStream
 # burst get their first tokens a step's worth at a time instead of all at the end of one long
 # prefill. More per step takes a burst into the batch in fewer steps (fewer decode steps run
 # part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
-PREFILL_TOKENS = 4096
+PREFILL_TOKENS = 8192
 # On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
 # prompts, are prefilled from a CUDA graph: an eager forward costs the same host time of kernel
-# launches from Python whatever its length, many times a short pack's GPU time.
-PREFILL_GRAPH_TOKENS = 4096
+# launches from Python whatever its length, many times a short pack's GPU time. A longer pack
+# keeps the matmuls longer: a token costs less in one pack of 8,192 than in two of 4,096.
+PREFILL_GRAPH_TOKENS = 8192
 PACKED_SEQUENCES = 64
 
 
