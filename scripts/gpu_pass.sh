@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
-#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve] [tp]
+#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve] [engine] [tp]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
@@ -16,9 +16,12 @@
 #        a greedy parity check (fp32, from_pretrained), then Qwen3-8B and 0.6B decode at batch 1 and 32, tp=1 and
 #        tp=2 in the same run, rows into OUT/decode-tp-h200.json, log in OUT/decode-tp.log; about 5 minutes
 #        (building the 8B model on each GPU takes most of a minute). NVLink multicast stays off.
-# serve: scripts/bench_serve.py at the 0.6B config, 1, 20, 64 and 256 clients, into OUT/serve-h200.{json,png}.
+# serve: scripts/bench_serve.py at the 0.6B config, 1, 20, 64 and 256 clients, into OUT/serve-h200.{json,png};
+#        the clients in 8 processes (in 4, each sat at a full core at 256 clients and the run measured them).
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
+# engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
+#        256 clients, into OUT/engine.log: what the served run is compared with (about a minute).
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
@@ -65,10 +68,13 @@ for stage in $stages; do
         > "$out/decode-tp.log" 2>&1
       grep -e '^{' -e 'TensorParallel' "$out/decode-tp.log" | tail -n 12 ;;
     serve)
-      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 --client-processes 4 \
+      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 1 20 64 256 --client-processes 8 \
         ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
       tail -n 8 "$out/serve.log" ;;
+    engine)
+      timeout 300 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 > "$out/engine.log" 2>&1
+      grep '^{' "$out/engine.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   echo "== $stage took $((SECONDS - start)) s"
