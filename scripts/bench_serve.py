@@ -18,6 +18,7 @@ Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency"
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import multiprocessing
 import os
@@ -159,8 +160,12 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
                for _ in range(n)]
     procs = max(1, min(args.client_processes, concurrency))
     start_at = time.time() + (CLIENT_START_S if procs > 1 else 0.0)  # after the processes' imports
-    jobs = [(url, model, concurrency // procs + (i < concurrency % procs), prompts[i::procs], args.output,
-             args.timeout, start_at) for i in range(procs)]
+    # Each process gets its clients' share of the prompts (requests_per_client each), so that no
+    # client sends more requests than another and no process ends the level alone.
+    clients_in = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    bounds = list(itertools.accumulate((c * args.requests_per_client for c in clients_in), initial=0))
+    jobs = [(url, model, clients_in[i], prompts[bounds[i] : bounds[i + 1]], args.output, args.timeout, start_at)
+            for i in range(procs)]
     if procs == 1:
         parts = [client_process(jobs[0])]
     else:
