@@ -6,8 +6,12 @@
     on the host's wall clock, the Python wrapper included. These calls move under 10 MB, so they
     measure host cost per call, ours beside F.rms_norm's;
 (b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128, every dtype;
-(d) fused residual add + norm on (b) and (c) in bf16; (e) forward + backward in bf16, eager and, for
-    ours and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
+(d) fused residual add + norm on (b) and (c) in bf16: GPU time per call, each line's calls
+    replayed from a CUDA graph, in turn on input sets that together exceed the L2 cache several
+    times (each call reads from HBM, as after a flush). Timed eagerly, a call shorter than its
+    host cost measures the host: the host cost per call is (a)'s figure;
+(e) forward + backward in bf16, eager (do_bench, the L2 flushed before each call) and, for ours
+    and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
 Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
 the device-to-device copy of the same bytes (the roofline). At each point every line is timed
 in interleaved rounds, on the same inputs. Writes rmsnorm-h200.json (after every part, so that a
@@ -92,10 +96,10 @@ def wall_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def lines_of(op: str, rows: int, D: int, dtype: str) -> dict:
+def lines_of(op: str, rows: int, D: int, dtype: str, seed: int = 0) -> dict:
     """Every available line of `op` ("rms_norm", "fused_add_rms_norm" or "fwd_bwd") as a call
-    without arguments, all on the same fresh inputs."""
-    x, w = inputs(rows, D, DTYPES[dtype])
+    without arguments, all on the same fresh inputs (drawn from `seed`)."""
+    x, w = inputs(rows, D, DTYPES[dtype], seed)
     if op == "rms_norm":
         return {name: functools.partial(FORWARD[name], x, w) for name in available(list(FORWARD))}
     if op == "fused_add_rms_norm":
@@ -159,15 +163,58 @@ def forward_benchmark(name, rows, x_vals, dtypes, lines, wall=False):
 def bench_forward(D, impl, rows, dtype, wall):
     x_bytes = rows * D * DTYPES[dtype].itemsize
     nbytes = 2 * x_bytes + D * DTYPES[dtype].itemsize
-    rounds = interleaved_wall_us(rows, D, dtype) if wall else interleaved_do_bench("rms_norm", rows, D, dtype)
+    rounds = interleaved_wall_us(rows, D, dtype) if wall else interleaved_graph_us("rms_norm", rows, D, dtype)
     us, gbps = record("rms_norm", impl, dtype, rows, D, nbytes, rounds[impl])
     return us if wall else gbps
 
 
 def bench_fused(D, impl, rows, dtype, wall):
     nbytes = 4 * rows * D * DTYPES[dtype].itemsize + D * DTYPES[dtype].itemsize
-    rounds = interleaved_do_bench("fused_add_rms_norm", rows, D, dtype)[impl]
+    rounds = interleaved_graph_us("fused_add_rms_norm", rows, D, dtype)[impl]
     return record("fused_add_rms_norm", impl, dtype, rows, D, nbytes, rounds)[1]
+
+
+# Input sets a graph cycles through hold at least this many times the L2 cache's bytes, so that a
+# set's tensors have left the L2 by its next turn.
+L2_MULTIPLE = 4
+GRAPH_CALLS = 24
+
+
+def graph_us(calls: list, n: int = GRAPH_CALLS):
+    """A timer of the calls `calls` made in turn, n in all, from one CUDA graph: each use replays
+    the graph and returns microseconds per call (GPU time alone, without the host's launch cost)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles, autotunes and warms the allocator outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            calls[i % len(calls)]()
+
+    def replay() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / n
+    return replay
+
+
+@functools.cache
+def interleaved_graph_us(op: str, rows: int, D: int, dtype: str, rounds: int = 5) -> dict[str, list]:
+    """GPU microseconds per call of every line of `op` (graph_us), on enough input sets that they
+    exceed the L2 cache L2_MULTIPLE times, in interleaved rounds of 5 replays per line."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 * 2**20)
+    set_bytes = (2 if op == "fused_add_rms_norm" else 1) * rows * D * DTYPES[dtype].itemsize
+    sets = [lines_of(op, rows, D, dtype, seed) for seed in range(max(2, -(-L2_MULTIPLE * l2 // set_bytes)))]
+    timers = {name: graph_us([lines[name] for lines in sets]) for name in sets[0]}
+    times = in_rounds(timers, rounds, lambda name, timer: statistics.median(timer() for _ in range(5)))
+    torch.cuda.synchronize()
+    return times
 
 
 BACKWARD = {
