@@ -29,14 +29,19 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 
 __all__ = ["decode_attention", "num_splits"]
 
-# Keys per inner step: 128 where a row's keys make few slices (the serving engine's batches: each
-# program streams longer runs of keys per loop trip), 64 where they make many (batch 1-8), so that
-# a short row still spreads over several slices, and for fp32 or heads over 128 wide, whose
-# 128-key tiles of two pipeline stages would not fit in shared memory. Both paths (paged,
-# contiguous) take the same rule, so they give the same bits for the same batch
-# (docs/benchmarks/decode-notes.md has the sweep).
+# Keys per inner step: 64, or 128 for rows that can be long (rows that can hold LONG_ROWS keys or
+# more) making few slices each. A 128-key step keeps twice the shared memory per program, so fewer
+# programs run at once: over rows of 128-1,280 keys (the serving benchmark's) the longer steps
+# read faster, over rows of at most 384 (a 128-token prompt generating 256) the occupancy wins. What
+# a row can hold (the cache's row length, a block table's width) is known when a CUDA graph is
+# captured, where the rows' lengths are not. Many slices of a row (batch 1-8) keep 64 so that a
+# short row still spreads over several; fp32 or heads over 128 wide keep 64 too (their 128-key
+# tiles of two pipeline stages would not fit in shared memory). The paged and contiguous paths
+# take the same rule: they give the same bits for the same batch and row length
+# (docs/benchmarks/decode-notes.md has the measurements).
 BLOCK_N = 64
-BLOCK_N_FEW_SLICES = 128
+BLOCK_N_LONG_ROWS = 128
+LONG_ROWS = 1024
 FEW_SLICES = 4
 # Loads issued one key block ahead: a deeper pipeline only adds shared memory and reads no faster
 # (docs/benchmarks/decode-notes.md).
@@ -54,10 +59,11 @@ def num_splits(batch: int, n_kv_heads: int) -> int:
     return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), 32))
 
 
-def keys_per_step(splits: int, dtype: torch.dtype, head_dim: int) -> int:
-    """Keys a program reads per loop trip (see BLOCK_N)."""
-    long_tiles = splits <= FEW_SLICES and dtype.itemsize == 2 and head_dim <= 128
-    return BLOCK_N_FEW_SLICES if long_tiles else BLOCK_N
+def keys_per_step(splits: int, row_capacity: int, dtype: torch.dtype, head_dim: int) -> int:
+    """Keys a program reads per loop trip (see BLOCK_N), for rows that can hold row_capacity keys."""
+    long_tiles = (row_capacity >= LONG_ROWS and splits <= FEW_SLICES and dtype.itemsize == 2
+                  and head_dim <= 128)
+    return BLOCK_N_LONG_ROWS if long_tiles else BLOCK_N
 
 
 @triton.jit
@@ -153,7 +159,7 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
-        SPLITS=splits, BLOCK_N=keys_per_step(splits, q.dtype, hd), FP32=q.dtype == torch.float32, PDL=pdl,
+        SPLITS=splits, BLOCK_N=keys_per_step(splits, max_len, q.dtype, hd), FP32=q.dtype == torch.float32, PDL=pdl,
         num_warps=4, num_stages=STAGES, launch_pdl=pdl,
     )
     if splits > 1:

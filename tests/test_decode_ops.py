@@ -12,7 +12,7 @@ from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relativ
 from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ops.decode_attention import decode_attention, num_splits
+from ops.decode_attention import decode_attention, keys_per_step, num_splits
 from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
@@ -117,9 +117,11 @@ def test_decode_attention_equals_transformers(dtype, heads, batch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_in_one_slice_per_row_equals_transformers(dtype):
     """A batch x key/value heads that fills the GPU without splitting: each program writes its
-    row's output itself, with no slices to merge."""
-    B, H, K, hd, S = 64, 16, 16, 16, 9
+    row's output itself, with no slices to merge; rows that can hold 1,024 keys, which 16-bit
+    kernels read 128 a loop trip."""
+    B, H, K, hd, S = 32, 16, 16, 16, 1024
     assert num_splits(B, K) == 1
+    assert keys_per_step(1, S, dtype, hd) == (64 if dtype == torch.float32 else 128)
     q = randn(B, H, hd, dtype=dtype, seed=0)
     k_cache, v_cache = randn(B, S, K, hd, dtype=dtype, seed=1), randn(B, S, K, hd, dtype=dtype, seed=2)
     seq_lens = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(3)).to(DEVICE)

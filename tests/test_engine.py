@@ -114,20 +114,21 @@ def paged_copy(k_rows, v_rows, block_size, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B", [3, 64], ids=["many-slices", "few-slices"])
-def test_paged_decode_attention_equals_contiguous(dtype, B):
+@pytest.mark.parametrize("B, S", [(3, 96), (64, 1024)], ids=["many-slices", "few-slices-long-rows"])
+def test_paged_decode_attention_equals_contiguous(dtype, B, S):
     """The Triton kernel (interpreted on the CPU) reading keys through a block table gives the
     bits it gives reading the same keys from contiguous rows, with many slices per row (64 keys
-    a loop trip) and few (128 in 16 bits); so does the torch path (gather)."""
-    S, H, K, hd, block = 96, 4, 2, 32, 16
+    a loop trip) and with few slices of rows that can be long (128 in 16 bits); so does the torch
+    path (gather)."""
+    H, K, hd, block = 4, 2, 32, 16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, hd, generator=gen).to(DEVICE, dtype)
     k_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
     v_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
-    seq_lens = torch.tensor([1, 50, 96] if B == 3 else torch.randint(1, S + 1, (B,), generator=gen).tolist(),
+    seq_lens = torch.tensor([1, 50, 96] if B == 3 else torch.randint(1, 600, (B,), generator=gen).tolist(),
                             device=DEVICE)
     long_steps = B == 64 and dtype == torch.bfloat16
-    assert keys_per_step(num_splits(B, K), dtype, hd) == (128 if long_steps else 64)
+    assert keys_per_step(num_splits(B, K), S, dtype, hd) == (128 if long_steps else 64)
     cache, table = paged_copy(k_rows, v_rows, block)
     k_blocks, v_blocks = cache.blocks(0)
     contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5)
