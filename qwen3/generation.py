@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .cache import KVCache
-from .model import check_input_ids
+from .model import check_in_vocab, check_input_ids
 from .sampling import SamplingParams, next_token, problem
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
@@ -154,9 +154,9 @@ class DecodeStep:
         return self.tokens
 
 
-def check_padding(attention_mask: torch.Tensor) -> None:
-    """The mask must hold only 0 and 1 (or bools), and each row must be its tokens with padding on
-    one side: 0..0 1..1 or 1..1 0..0, never empty."""
+def check_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The mask as a LongTensor of 0 and 1; ValueError unless it holds only 0 and 1 (or bools) and
+    each row is its tokens with padding on one side: 0..0 1..1 or 1..1 0..0, never empty."""
     binary = (attention_mask == 0) | (attention_mask == 1)
     if not bool(binary.all()):
         wrong = attention_mask[~binary][0].item()
@@ -172,6 +172,7 @@ def check_padding(attention_mask: torch.Tensor) -> None:
     if not bool(contiguous.all()):
         row = int((~contiguous).nonzero()[0])
         raise ValueError(f"row {row} of attention_mask has padding between its tokens; pad on the left or the right")
+    return attention_mask
 
 
 @torch.inference_mode()
@@ -206,7 +207,7 @@ def generate(
             f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{config.max_position_embeddings} tokens (max_position_embeddings)"
         )
-    check_input_ids(input_ids, config.vocab_size)
+    check_in_vocab(input_ids, config.vocab_size)
     device = model.lm_head.weight.device
     cuda_graph = resolve_cuda_graph(cuda_graph, device)
     input_ids = input_ids.to(device)
@@ -227,8 +228,7 @@ def generate(
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
         attention_mask = attention_mask.to(device)
-        check_padding(attention_mask)
-        attention_mask = attention_mask.long()
+        attention_mask = check_padding(attention_mask)
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the prefill takes the plain causal path
     if max_new_tokens == 0:

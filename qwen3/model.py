@@ -489,12 +489,16 @@ class Qwen3Model(nn.Module):
         return self.norm(h, residual)[0]
 
 
-def check_input_ids(input_ids, vocab_size: int | None = None) -> None:
-    """TypeError unless a LongTensor [batch, seq_len]; with vocab_size, ValueError unless ids in range
-    (that check reads the ids' smallest and largest back to the host: one sync on a GPU)."""
+def check_input_ids(input_ids) -> None:
+    """TypeError unless a LongTensor [batch, seq_len]."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
         raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
-    if vocab_size is None or not input_ids.numel():
+
+
+def check_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """ValueError unless every id is in [0, vocab_size) (reads the ids' smallest and largest back to
+    the host: one sync on a GPU)."""
+    if not input_ids.numel():
         return
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read-back for both
     if not 0 <= low <= high < vocab_size:
@@ -557,7 +561,7 @@ class Qwen3ForCausalLM(nn.Module):
             # cache (generate checks its prompt before the prefill; the serving engine's steps and
             # graphs are fed by checked requests), and one being captured or compiled, which
             # cannot read tensors back.
-            check_input_ids(input_ids, self.config.vocab_size)
+            check_in_vocab(input_ids, self.config.vocab_size)
         if positions is None:
             if cache is not None:
                 raise ValueError("with a cache, pass positions: each token's position in its row")
