@@ -21,6 +21,8 @@ Where batch x K alone fills it (one slice per row), the programs write the outpu
 and there is no merge.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -30,15 +32,17 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 __all__ = ["decode_attention", "num_splits"]
 
 # Keys per inner step: 64, or 128 for rows that can be long (rows that can hold LONG_ROWS keys or
-# more) making few slices each. A 128-key step keeps twice the shared memory per program, so fewer
-# programs run at once: over rows of 128-1,280 keys (the serving benchmark's) the longer steps
-# read faster, over rows of at most 384 (a 128-token prompt generating 256) the occupancy wins. What
-# a row can hold (the cache's row length, a block table's width) is known when a CUDA graph is
-# captured, where the rows' lengths are not. Many slices of a row (batch 1-8) keep 64 so that a
-# short row still spreads over several; fp32 or heads over 128 wide keep 64 too (their 128-key
-# tiles of two pipeline stages would not fit in shared memory). The paged and contiguous paths
-# take the same rule: they give the same bits for the same batch and row length
-# (docs/benchmarks/decode-notes.md has the measurements).
+# more) making few slices each (FEW_SLICES or fewer: batch x key/value heads of 103 or more). A
+# 128-key step keeps twice the shared memory per program, so fewer programs run at once: over rows
+# of 128-1,280 keys (the serving benchmark's) the longer steps read faster, over rows of at most 384
+# (a 128-token prompt generating 256) the occupancy wins. What a row can hold (the cache's row
+# length, a block table's width in keys) is known when a CUDA graph is captured, where the rows'
+# lengths are not; a caller that passes only the blocks in use (the serving engine's eager steps)
+# gets the rule at that width. Many slices of a row keep 64 so that a short row still spreads over
+# several; so do fp32, heads over 128 wide and GPUs whose programs cannot hold the 128-key tiles of
+# both pipeline stages in shared memory (128 KB in 16 bits: not the 99 KB of an RTX 4090's). Paged
+# and contiguous calls take the same rule: they give the same bits for the same batch and row
+# capacity (docs/benchmarks/decode-notes.md has the measurements).
 BLOCK_N = 64
 BLOCK_N_LONG_ROWS = 128
 LONG_ROWS = 1024
@@ -59,11 +63,24 @@ def num_splits(batch: int, n_kv_heads: int) -> int:
     return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), 32))
 
 
-def keys_per_step(splits: int, row_capacity: int, dtype: torch.dtype, head_dim: int) -> int:
-    """Keys a program reads per loop trip (see BLOCK_N), for rows that can hold row_capacity keys."""
+def keys_per_step(splits: int, row_capacity: int, dtype: torch.dtype, head_dim: int,
+                  shared_memory: int | None) -> int:
+    """Keys a program reads per loop trip (see BLOCK_N), for rows that can hold row_capacity keys
+    of head_dim (a power of two) values, on a GPU whose programs may use shared_memory bytes
+    (None: no limit, the interpreter)."""
+    tiles = 2 * STAGES * BLOCK_N_LONG_ROWS * head_dim * dtype.itemsize  # keys and values, each stage
+    fits = shared_memory is None or tiles + 16 * 1024 <= shared_memory  # and room for the rest
     long_tiles = (row_capacity >= LONG_ROWS and splits <= FEW_SLICES and dtype.itemsize == 2
-                  and head_dim <= 128)
+                  and head_dim <= 128 and fits)
     return BLOCK_N_LONG_ROWS if long_tiles else BLOCK_N
+
+
+@functools.cache
+def shared_memory_per_program(device: torch.device) -> int | None:
+    """The shared memory a kernel's program may use on `device` (the opt-in limit); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
 @triton.jit
@@ -159,8 +176,8 @@ def _decode_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_cache.stride(0), k_cache.stride(1), block_table.stride(0) if paged else 0,
         PAGED=paged, PAGE=page,
         N_KV=K, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_HD=block_hd,
-        SPLITS=splits, BLOCK_N=keys_per_step(splits, max_len, q.dtype, hd), FP32=q.dtype == torch.float32, PDL=pdl,
-        num_warps=4, num_stages=STAGES, launch_pdl=pdl,
+        SPLITS=splits, BLOCK_N=keys_per_step(splits, max_len, q.dtype, block_hd, shared_memory_per_program(q.device)),
+        FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=STAGES, launch_pdl=pdl,
     )
     if splits > 1:
         _merge_kernel[(B * H,)](o_part, lse_part, out, SPLITS=splits, BLOCK_SPLITS=triton.next_power_of_2(splits),

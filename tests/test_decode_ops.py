@@ -12,7 +12,7 @@ from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relativ
 from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ops.decode_attention import decode_attention, keys_per_step, num_splits
+from ops.decode_attention import decode_attention, keys_per_step, num_splits, shared_memory_per_program
 from ops.gemv import gemv, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
@@ -121,7 +121,7 @@ def test_decode_attention_in_one_slice_per_row_equals_transformers(dtype):
     kernels read 128 a loop trip."""
     B, H, K, hd, S = 32, 16, 16, 16, 1024
     assert num_splits(B, K) == 1
-    assert keys_per_step(1, S, dtype, hd) == (64 if dtype == torch.float32 else 128)
+    assert keys_per_step(1, S, dtype, hd, shared_memory_per_program(DEVICE)) == (64 if dtype == torch.float32 else 128)
     q = randn(B, H, hd, dtype=dtype, seed=0)
     k_cache, v_cache = randn(B, S, K, hd, dtype=dtype, seed=1), randn(B, S, K, hd, dtype=dtype, seed=2)
     seq_lens = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -141,6 +141,21 @@ def test_decode_attention_reads_nothing_past_a_row_length():
         k_cache[row, n:] = float("nan")
         v_cache[row, n:] = float("nan")
     assert torch.equal(decode_attention(q, k_cache, v_cache, seq_lens, 0.1), clean)
+
+
+def test_decode_attention_key_steps_follow_row_capacity_slices_dtype_and_shared_memory():
+    """128 keys a loop trip only for 16-bit rows that can hold 1,024 keys or more, in few slices,
+    where a program can hold two stages of 128-key tiles (128 KB at head_dim 128)."""
+    h200, rtx4090 = 232_448, 101_376  # shared memory a program may opt into, in bytes
+    bf16 = torch.bfloat16
+    assert keys_per_step(1, 40_960, bf16, 128, h200) == 128
+    assert keys_per_step(4, 1_024, bf16, 128, h200) == 128
+    assert keys_per_step(1, 40_960, bf16, 128, rtx4090) == 64  # the tiles would not fit
+    assert keys_per_step(1, 384, bf16, 128, h200) == 64  # short rows: occupancy first
+    assert keys_per_step(8, 40_960, bf16, 128, h200) == 64  # many slices
+    assert keys_per_step(1, 40_960, torch.float32, 128, h200) == 64
+    assert keys_per_step(1, 40_960, bf16, 256, None) == 64  # wide heads
+    assert keys_per_step(1, 40_960, bf16, 128, None) == 128  # the interpreter: no limit
 
 
 def test_decode_attention_refuses_mismatched_shapes():

@@ -12,7 +12,7 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
-from ops.decode_attention import decode_attention, keys_per_step, num_splits
+from ops.decode_attention import decode_attention, keys_per_step, num_splits, shared_memory_per_program
 from qwen3 import PagedKVCache, Qwen3ForCausalLM
 from qwen3.engine import Engine, QueueFull, Request
 from qwen3.sampling import SamplingParams
@@ -128,7 +128,8 @@ def test_paged_decode_attention_equals_contiguous(dtype, B, S):
     seq_lens = torch.tensor([1, 50, 96] if B == 3 else torch.randint(1, 600, (B,), generator=gen).tolist(),
                             device=DEVICE)
     long_steps = B == 64 and dtype == torch.bfloat16
-    assert keys_per_step(num_splits(B, K), S, dtype, hd) == (128 if long_steps else 64)
+    steps = keys_per_step(num_splits(B, K), S, dtype, hd, shared_memory_per_program(DEVICE))
+    assert steps == (128 if long_steps else 64)
     cache, table = paged_copy(k_rows, v_rows, block)
     k_blocks, v_blocks = cache.blocks(0)
     contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5)
