@@ -68,7 +68,7 @@ PREFILL_TOKENS = 8192
 # On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
 # prompts, are prefilled from a CUDA graph: an eager forward costs the same host time of kernel
 # launches from Python whatever its length, many times a short pack's GPU time. A longer pack
-# keeps the matmuls longer: a token costs less in one pack of 8,192 than in two of 4,096.
+# keeps the matmuls longer (docs/benchmarks/serve-notes.md: 8,192 against 4,096).
 PREFILL_GRAPH_TOKENS = 8192
 PACKED_SEQUENCES = 64
 

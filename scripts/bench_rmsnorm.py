@@ -6,10 +6,10 @@
     on the host's wall clock, the Python wrapper included. These calls move under 10 MB, so they
     measure host cost per call, ours beside F.rms_norm's;
 (b) 16384 x D, D = 1024..8192, every dtype; (c) the q/k-norm shape 131072 x 128, every dtype;
-(d) fused residual add + norm on (b) and (c) in bf16: GPU time per call, each line's calls
-    replayed from a CUDA graph, in turn on input sets that together exceed the L2 cache several
-    times (each call reads from HBM, as after a flush). Timed eagerly, a call shorter than its
-    host cost measures the host: the host cost per call is (a)'s figure;
+(d) fused residual add + norm on (b) and (c) in bf16. (b)-(d) are GPU time per call: each line's
+    calls replayed from a CUDA graph, in turn on input sets that together exceed the L2 cache
+    several times (each call reads from HBM, as after a flush). Timed eagerly, a call shorter
+    than its host cost measures the host: the host cost per call is (a)'s figure;
 (e) forward + backward in bf16, eager (do_bench, the L2 flushed before each call) and, for ours
     and F.rms_norm, replayed from a CUDA graph (GPU time without the host's launch cost).
 Lines: ours (triton, cuda), F.rms_norm, HF eager, torch.compile(HF), Liger when importable, and
@@ -181,8 +181,10 @@ GRAPH_CALLS = 24
 
 
 def graph_us(calls: list, n: int = GRAPH_CALLS):
-    """A timer of the calls `calls` made in turn, n in all, from one CUDA graph: each use replays
-    the graph and returns microseconds per call (GPU time alone, without the host's launch cost)."""
+    """A timer of the calls `calls` made in turn, n in all (at least one each), from one CUDA graph:
+    each use replays the graph and returns microseconds per call (GPU time alone, without the
+    host's launch cost)."""
+    n = max(n, len(calls))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiles, autotunes and warms the allocator outside the capture

@@ -160,8 +160,8 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
                for _ in range(n)]
     procs = max(1, min(args.client_processes, concurrency))
     start_at = time.time() + (CLIENT_START_S if procs > 1 else 0.0)  # after the processes' imports
-    # Each process gets its clients' share of the prompts (requests_per_client each), so that no
-    # client sends more requests than another and no process ends the level alone.
+    # Each process gets requests_per_client prompts for each of its clients, so that no process's
+    # clients have more requests each to send than another's, and none ends the level alone.
     clients_in = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     bounds = list(itertools.accumulate((c * args.requests_per_client for c in clients_in), initial=0))
     jobs = [(url, model, clients_in[i], prompts[bounds[i] : bounds[i + 1]], args.output, args.timeout, start_at)
