@@ -31,18 +31,15 @@ from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
 
 __all__ = ["decode_attention", "num_splits"]
 
-# Keys per inner step: 64, or 128 for rows that can be long (rows that can hold LONG_ROWS keys or
-# more) making few slices each (FEW_SLICES or fewer: batch x key/value heads of 103 or more). A
-# 128-key step keeps twice the shared memory per program, so fewer programs run at once: over rows
-# of 128-1,280 keys (the serving benchmark's) the longer steps read faster, over rows of at most 384
-# (a 128-token prompt generating 256) the occupancy wins. What a row can hold (the cache's row
-# length, a block table's width in keys) is known when a CUDA graph is captured, where the rows'
-# lengths are not; a caller that passes only the blocks in use (the serving engine's eager steps)
-# gets the rule at that width. Many slices of a row keep 64 so that a short row still spreads over
-# several; so do fp32, heads over 128 wide and GPUs whose programs cannot hold the 128-key tiles of
-# both pipeline stages in shared memory (128 KB in 16 bits: not the 99 KB of an RTX 4090's). Paged
-# and contiguous calls take the same rule: they give the same bits for the same batch and row
-# capacity (docs/benchmarks/decode-notes.md has the measurements).
+# Keys per inner step: 128 only for 16-bit rows that can hold LONG_ROWS keys or more, in
+# FEW_SLICES slices or fewer (batch x key/value heads of 103 or more), on a GPU whose programs can
+# hold two pipeline stages of 128-key tiles; 64 otherwise. A 128-key step holds twice the shared
+# memory per program, so fewer programs run at once: long rows gain from fewer loop trips, short
+# ones lose the occupancy, and many slices of a row are short. A row's capacity (the cache's row
+# length, a block table's width) stands in for its length because it is fixed when a CUDA graph is
+# captured; a caller that passes only the blocks in use gets the rule at that width. Paged and
+# contiguous calls take the same rule, so they give the same bits for the same batch and capacity
+# (docs/benchmarks/decode-notes.md has the measurements).
 BLOCK_N = 64
 BLOCK_N_LONG_ROWS = 128
 LONG_ROWS = 1024
@@ -69,7 +66,7 @@ def keys_per_step(splits: int, row_capacity: int, dtype: torch.dtype, head_dim: 
     of head_dim (a power of two) values, on a GPU whose programs may use shared_memory bytes
     (None: no limit, the interpreter)."""
     tiles = 2 * STAGES * BLOCK_N_LONG_ROWS * head_dim * dtype.itemsize  # keys and values, each stage
-    fits = shared_memory is None or tiles + 16 * 1024 <= shared_memory  # and room for the rest
+    fits = shared_memory is None or tiles + 16 * 1024 <= shared_memory  # 16 KB for q, scores, etc.
     long_tiles = (row_capacity >= LONG_ROWS and splits <= FEW_SLICES and dtype.itemsize == 2
                   and head_dim <= 128 and fits)
     return BLOCK_N_LONG_ROWS if long_tiles else BLOCK_N

@@ -214,9 +214,7 @@ def interleaved_graph_us(op: str, rows: int, D: int, dtype: str, rounds: int = 5
     set_bytes = (2 if op == "fused_add_rms_norm" else 1) * rows * D * DTYPES[dtype].itemsize
     sets = [lines_of(op, rows, D, dtype, seed) for seed in range(max(2, -(-L2_MULTIPLE * l2 // set_bytes)))]
     timers = {name: graph_us([lines[name] for lines in sets]) for name in sets[0]}
-    times = in_rounds(timers, rounds, lambda name, timer: statistics.median(timer() for _ in range(5)))
-    torch.cuda.synchronize()
-    return times
+    return in_rounds(timers, rounds, lambda name, timer: statistics.median(timer() for _ in range(5)))
 
 
 BACKWARD = {

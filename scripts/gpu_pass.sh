@@ -17,7 +17,7 @@
 #        tp=2 in the same run, rows into OUT/decode-tp-h200.json, log in OUT/decode-tp.log; about 5 minutes
 #        (building the 8B model on each GPU takes most of a minute). NVLink multicast stays off.
 # serve: scripts/bench_serve.py at the 0.6B config, 1, 20, 64 and 256 clients, into OUT/serve-h200.{json,png};
-#        the clients in 8 processes (in 4, each sat at a full core at 256 clients and the run measured them).
+#        the clients in 8 processes, so that reading 256 streams does not hold the clients back (serve-notes.md).
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
 # engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
