@@ -7,8 +7,8 @@ torch's `weight * normalized` does).
 
 One route: every call goes through the torch op `qwen3_ops::rms_norm` or
 `qwen3_ops::fused_add_rms_norm`, which launches its kernel with `kernel[grid](...)`. The ops have
-fake implementations (torch.compile sees one opaque node per norm) and registered autograd, whose
-backward is the op `qwen3_ops::rms_norm_backward`.
+fake implementations (torch.compile sees one opaque node per norm); where autograd records the
+call, an autograd.Function wraps the op, and its backward is the op `qwen3_ops::rms_norm_backward`.
 
 Rows whose leading dims collapse into at most two strides are read in place (a column slice, the
 q part of a fused qkv projection viewed as (B, S, H, head_dim)). Outputs are contiguous.
@@ -366,6 +366,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torc
         raise ValueError(f"the triton RMSNorm backward supports D <= {MAX_BACKWARD_D}, got D={D}")
     dx = _empty(x, x.dtype)
     n_rows = x.numel() // D
+    if rstd.numel() != n_rows:  # a forward called with store_rstd=False left none to read
+        raise ValueError(f"the RMSNorm backward needs rstd of every row ({n_rows}), got {rstd.numel()} values")
     if n_rows == 0:
         return dx, torch.zeros_like(weight)
     x, x_rows = _readable_rows(x)
@@ -386,26 +388,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torc
 # ----------------------------------------------------------------------------- ops and autograd
 
 
-# The public calls, on inputs validated by ops. store_rstd is whether autograd will record the call:
-# only then does the forward write rstd, for the backward.
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    store_rstd = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return rms_norm_op(x, weight, eps, store_rstd)[0]
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    store_rstd = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
-    y, summed, _ = fused_add_rms_norm_op(x, residual, weight, eps, store_rstd)
-    return y, summed
-
-
-# The ops are declared with torch.library.define and given a kernel per device, a fake (for
-# torch.compile) and an autograd formula: what @torch.library.custom_op registers, without the
-# Python layers its wrapper adds to every call (a dynamo guard, an output aliasing check).
+# The ops are declared with torch.library.define and given a kernel per device and a fake, so that
+# torch.compile sees one opaque node per norm: what @torch.library.custom_op registers, without
+# the Python layers its wrapper adds to every call (a dynamo guard, an output aliasing check).
 SCHEMAS = {
     "rms_norm": "(Tensor x, Tensor weight, float eps, bool store_rstd) -> (Tensor, Tensor)",
     "fused_add_rms_norm": "(Tensor x, Tensor residual, Tensor weight, float eps, bool store_rstd)"
@@ -456,31 +441,58 @@ def _(dy, x, weight, rstd, d_sum):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    *tensors, weight, _, store_rstd = inputs
-    if not store_rstd:
-        raise ValueError("a Triton RMSNorm op called with store_rstd=False cannot be differentiated")
-    ctx.input_dtypes = [t.dtype for t in tensors]
-    # The fused op's backward needs the normalized input, which is its sum output.
-    ctx.save_for_backward(output[1] if len(output) == 3 else tensors[0], weight, output[-1])
-    ctx.mark_non_differentiable(output[-1])
-    ctx.set_materialize_grads(False)  # no zero-filled gradient for an output that got none
+# Autograd: one autograd.Function per norm around its op, as in Liger and Triton's layer-norm
+# tutorial. torch.compile traces the Function into graphs of the opaque ops, forward and backward.
+# (torch.library.register_autograd would do the same with a Python layer of its own around every
+# call, forward and backward: rmsnorm-notes.md gives its cost.) The ops have no autograd formula
+# of their own: they are differentiated through these Functions, which ask the forward for rstd.
 
 
-def _rms_norm_grad(ctx, dy, d_rstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
-    return dx, dw, None, None
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_op(x, weight, eps, True)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
+        return dx, dw, None
 
 
-def _fused_add_rms_norm_grad(ctx, dy, d_sum, d_rstd):
-    summed, weight, rstd = ctx.saved_tensors
-    if dy is None:  # only the sum was used
-        dy = summed.new_zeros(summed.shape, dtype=torch.promote_types(summed.dtype, weight.dtype))
-    d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
-    x_dtype, residual_dtype = ctx.input_dtypes
-    return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None, None
+class _FusedAddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        y, summed, rstd = fused_add_rms_norm_op(x, residual, weight, eps, True)
+        # The backward is the norm's, of its input: the sum.
+        ctx.save_for_backward(summed, weight, rstd)
+        ctx.input_dtypes = (x.dtype, residual.dtype)
+        return y, summed
+
+    @staticmethod
+    def backward(ctx, dy, d_sum):
+        summed, weight, rstd = ctx.saved_tensors
+        d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
+        x_dtype, residual_dtype = ctx.input_dtypes
+        return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None
 
 
-torch.library.register_autograd("qwen3_ops::rms_norm", _rms_norm_grad, setup_context=_setup_context)
-torch.library.register_autograd("qwen3_ops::fused_add_rms_norm", _fused_add_rms_norm_grad, setup_context=_setup_context)
+# The public calls, on inputs validated by ops: through the Function where autograd records the
+# call, else straight to the op (a Function costs host time even where it records nothing).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_op(x, weight, eps, False)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        return _FusedAddRMSNorm.apply(x, residual, weight, eps)
+    y, summed, _ = fused_add_rms_norm_op(x, residual, weight, eps, False)
+    return y, summed

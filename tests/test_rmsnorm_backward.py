@@ -177,17 +177,19 @@ def test_wide_rows_backward_is_refused():
 @pytest.mark.parametrize(
     "op, args",
     [
-        (tri.rms_norm_op, lambda x, w, grad: (x, w, 1e-6, grad)),
-        (tri.fused_add_rms_norm_op, lambda x, w, grad: (x, x.detach().clone().flip(0), w, 1e-5, grad)),
+        (tri.rms_norm_op, lambda x, w, store_rstd: (x, w, 1e-6, store_rstd)),
+        (tri.fused_add_rms_norm_op, lambda x, w, store_rstd: (x, x.flip(0), w, 1e-5, store_rstd)),
     ],
 )
-@pytest.mark.parametrize("grad", [True, False])
-def test_opcheck(op, args, grad):
-    # test_aot_dispatch_dynamic traces with symbolic shapes into real kernels; it passes on CPU
-    # tensors through the interpreter because these are registered ops, opaque to the tracer.
-    x = torch.randn(8, 64, device=DEVICE, requires_grad=grad)
-    w = torch.randn(64, device=DEVICE, requires_grad=grad)
-    torch.library.opcheck(op, args(x, w, grad))
+@pytest.mark.parametrize("store_rstd", [True, False])
+def test_opcheck(op, args, store_rstd):
+    # The ops are differentiated through ops' autograd Functions, not by a formula of their own,
+    # so they are checked on inputs without gradients. test_aot_dispatch_dynamic traces with
+    # symbolic shapes into real kernels; it passes on CPU tensors through the interpreter because
+    # these are registered ops, opaque to the tracer.
+    x = torch.randn(8, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE)
+    torch.library.opcheck(op, args(x, w, store_rstd))
 
 
 def test_backward_opcheck():
@@ -197,12 +199,13 @@ def test_backward_opcheck():
     torch.library.opcheck(tri.rms_norm_backward_op, (dy, x, w, rstd, dy.flip(0)))
 
 
-def test_op_without_rstd_refuses_gradients():
-    """Called directly, the op told not to store rstd cannot be differentiated: it says so at the
-    forward instead of running the backward on missing data. (ops.rms_norm sets the flag itself.)"""
-    x, w, _ = make_case(4, 64, torch.float32)
-    with pytest.raises(ValueError, match="store_rstd=False"):
-        tri.rms_norm_op(x.requires_grad_(True), w, 1e-6, False)
+def test_backward_op_refuses_missing_rstd():
+    """A forward told not to store rstd (store_rstd=False) leaves the backward nothing to read:
+    the backward op says so instead of reading past the end of an empty tensor."""
+    x, w, dy = make_case(4, 64, torch.float32)
+    rstd = tri.rms_norm_op(x, w, 1e-6, False)[1]
+    with pytest.raises(ValueError, match="rstd of every row"):
+        tri.rms_norm_backward_op(dy, x, w, rstd, None)
 
 
 def block(x, residual, w):
@@ -221,7 +224,7 @@ def test_compile_sees_one_node_without_graph_break():
 
 
 def test_compiled_gradients_equal_eager():
-    """torch.compile(fullgraph=True) traces the registered autograd: the backward op replaces the
+    """torch.compile(fullgraph=True) traces the autograd Functions: the backward op replaces the
     fused add's and the norm's backward, with the gradients of the eager calls bit for bit."""
     x, w, dy = make_case(16, 128, torch.float32)
     residual = x.flip(0)
