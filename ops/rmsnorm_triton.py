@@ -442,10 +442,10 @@ def _(dy, x, weight, rstd, d_sum):
 
 
 # Autograd: one autograd.Function per norm around its op, as in Liger and Triton's layer-norm
-# tutorial. torch.compile traces the Function into graphs of the opaque ops, forward and backward.
-# (torch.library.register_autograd would do the same with a Python layer of its own around every
-# call, forward and backward: rmsnorm-notes.md gives its cost.) The ops have no autograd formula
-# of their own: they are differentiated through these Functions, which ask the forward for rstd.
+# tutorial; torch.compile traces the Functions into graphs of the opaque ops, forward and backward.
+# The ops have no autograd formula of their own (called directly, they are not differentiable):
+# the Functions ask the forward for rstd and call the backward op. The backward is not itself
+# differentiable: once_differentiable makes a second derivative an error instead of zeros.
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -456,6 +456,7 @@ class _RMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward_op(dy, x, weight, rstd, None)
@@ -469,11 +470,15 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         # The backward is the norm's, of its input: the sum.
         ctx.save_for_backward(summed, weight, rstd)
         ctx.input_dtypes = (x.dtype, residual.dtype)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros to read
         return y, summed
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy, d_sum):
         summed, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only the sum was used
+            dy = summed.new_zeros(summed.shape, dtype=torch.promote_types(summed.dtype, weight.dtype))
         d_summed, dw = rms_norm_backward_op(dy, summed, weight, rstd, d_sum)
         x_dtype, residual_dtype = ctx.input_dtypes
         return d_summed.to(x_dtype), d_summed.to(residual_dtype), dw, None

@@ -24,6 +24,7 @@ and the CUDA op where this machine has not built it yet); each part prints its s
 import argparse
 import datetime
 import functools
+import importlib.metadata
 import json
 import statistics
 import subprocess
@@ -268,9 +269,7 @@ def write_json(out: Path, copy_gbps: float, commit: str) -> None:
     versions = dict(torch=torch.__version__, triton=triton.__version__, transformers=transformers.__version__,
                     python=sys.version.split()[0], gpu=torch.cuda.get_device_name())
     if LigerRMSNormFunction is not None:
-        import liger_kernel
-
-        versions["liger_kernel"] = getattr(liger_kernel, "__version__", "installed")
+        versions["liger_kernel"] = importlib.metadata.version("liger-kernel")
     (out / "rmsnorm-h200.json").write_text(json.dumps(dict(
         copy_GBps=round(copy_gbps, 1), date=datetime.date.today().isoformat(),
         commit=commit, versions=versions, results=RESULTS), indent=1))

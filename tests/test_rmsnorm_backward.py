@@ -223,20 +223,37 @@ def test_compile_sees_one_node_without_graph_break():
     torch.testing.assert_close(compiled(x, x.flip(0), w), block(x, x.flip(0), w), rtol=0, atol=0)
 
 
-def test_compiled_gradients_equal_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_gradients_equal_eager(dynamic):
     """torch.compile(fullgraph=True) traces the autograd Functions: the backward op replaces the
-    fused add's and the norm's backward, with the gradients of the eager calls bit for bit."""
-    x, w, dy = make_case(16, 128, torch.float32)
-    residual = x.flip(0)
+    fused add's and the norm's backward, with the gradients of the eager calls bit for bit; with
+    dynamic=True one graph serves two row counts (the ops' fakes take symbolic shapes)."""
+    compiled = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=COMPILE_BACKEND)
+    for rows in (16, 24) if dynamic else (16,):
+        x, w, dy = make_case(rows, 128, torch.float32, seed=rows)
+        residual = x.flip(0)
 
-    def grads(fn):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
-        fn(*leaves).backward(dy)
-        return [t.grad for t in leaves]
+        def grads(fn):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (x, residual, w)]
+            fn(*leaves).backward(dy)
+            return [t.grad for t in leaves]
 
-    compiled = torch.compile(block, fullgraph=True, backend=COMPILE_BACKEND)
-    for got, want in zip(grads(compiled), grads(block)):
-        assert torch.equal(got, want)
+        for got, want in zip(grads(compiled), grads(block)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dy_requires_grad", [False, True])
+def test_second_derivative_is_refused(dy_requires_grad):
+    """The backward is not differentiable: differentiating a gradient raises (the gradient has no
+    graph, or a node that refuses) instead of returning zeros."""
+    x, w, dy = make_case(4, 64, torch.float32)
+    x.requires_grad_(True)
+    dy.requires_grad_(dy_requires_grad)
+    norms = (lambda a: rms_norm(a, w, impl="triton"), lambda a: fused_add_rms_norm(a, a.flip(0), w, impl="triton")[0])
+    for norm in norms:
+        (dx,) = torch.autograd.grad(norm(x), x, dy, create_graph=True)
+        with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+            dx.sum().backward()
 
 
 @requires_cuda
