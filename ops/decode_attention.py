@@ -50,14 +50,19 @@ STAGES = 2
 # About four programs per SM of the H200's 132: at batch 64 with 8 key/value heads one slice per row
 # (no merge kernel), at batch 32 two; more slices per row made batched decode slower.
 TARGET_PROGRAMS = 512
+MAX_SPLITS = 32
 
 
-def num_splits(batch: int, n_kv_heads: int) -> int:
-    """Slices per row: enough programs to fill the GPU, at most 32. It depends on the batch and
-    the heads only, not on the cache's length, so one compiled kernel serves every length; slices
-    past a row's keys return at once. Without slicing, a batch of 32 rows of 1,000 keys would be
-    256 programs each reading its row's keys one block after another: latency-bound."""
-    return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), 32))
+def num_splits(batch: int, n_kv_heads: int, device: torch.device) -> int:
+    """Slices per row: on a GPU enough programs to fill it, at most MAX_SPLITS. It depends on the
+    batch and the heads only, not on the cache's length, so one compiled kernel serves every
+    length; slices past a row's keys return at once. Without slicing, a batch of 32 rows of 1,000
+    keys would be 256 programs each reading its row's keys one block after another: latency-bound.
+    Off a GPU (Triton's interpreter, which runs the programs one after another) there is nothing
+    to fill: one slice per row."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(TARGET_PROGRAMS // (batch * n_kv_heads), MAX_SPLITS))
 
 
 def keys_per_step(splits: int, row_capacity: int, dtype: torch.dtype, head_dim: int,
@@ -208,11 +213,15 @@ def _check(q, k_cache, v_cache, seq_lens, block_table) -> None:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, block_table: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
     """[B, H, hd]: softmax(q k^T * scale) v over each row's first seq_lens[b] keys (1 <= seq_lens[b]
     <= S, which the caller guarantees; the kernel reads no further than S either way). With
     block_table [B, M], the caches are blocks [n_blocks, block_size, K, hd], S = M * block_size,
-    and the table's entries for a row's first seq_lens[b] positions must be valid block ids."""
+    and the table's entries for a row's first seq_lens[b] positions must be valid block ids.
+    splits: slices per row, 1 to MAX_SPLITS (default: num_splits's choice for the device)."""
     _check(q, k_cache, v_cache, seq_lens, block_table)
-    splits = num_splits(q.shape[0], k_cache.shape[2])
+    if splits is None:
+        splits = num_splits(q.shape[0], k_cache.shape[2], q.device)
+    elif isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be an integer in [1, {MAX_SPLITS}], got {splits!r}")
     return _decode_attention_op(q.contiguous(), k_cache, v_cache, seq_lens, float(scale), splits, block_table)

@@ -43,22 +43,25 @@ __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 PAIR_PATH_MAX_PAIRS = 64  # (token, expert) pairs up to which each pair is computed on its own
 
 
-def pair_config(K: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K) of a pair kernel over rows of K values: 8 output rows per program, so
-    that even one pair's GEMV spreads over every SM (I = 768 gate/up rows: 96 programs per pair);
-    K in chunks of up to 512 that divide it where one can (K = 768: 3 x 256, not 2 x 512 with a
-    quarter of the second masked off)."""
-    if K <= 512:
-        return 8, triton.next_power_of_2(K)
-    return 8, next((b for b in (512, 256, 128) if K % b == 0), 512)
+def pair_config(K: int, N: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the gate/up pair kernel over N output rows of K values: 8 output rows
+    per program, so that even one pair's GEMV spreads over every SM (I = 768 gate/up rows: 96
+    programs per pair); K in chunks of up to 512 that divide it where one can (K = 768: 3 x 256,
+    not 2 x 512 with a quarter of the second masked off). Rows shorter than that (no Qwen3-MoE's)
+    take more rows per program, up to N, so that a tile still holds 4K weights."""
+    block_k = triton.next_power_of_2(K) if K <= 512 else next((b for b in (512, 256, 128) if K % b == 0), 512)
+    return min(max(8, 4096 // block_k), max(8, triton.next_power_of_2(N))), block_k
 
 
-def down_combine_config(I: int, top_k: int) -> tuple[int, int, int]:  # noqa: E741
-    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-combine pair kernel: each program holds a
-    [k, BLOCK_N, BLOCK_K] tile of its token's k experts' weights; BLOCK_N output columns x k
-    experts, BLOCK_K chosen so that the tile stays at 8K elements (32 per thread of 8 warps)."""
-    block_k = max(16, min(triton.next_power_of_2(I), 8192 // (8 * triton.next_power_of_2(top_k))))
-    return 8, block_k, 8
+def down_combine_config(I: int, top_k: int, D: int) -> tuple[int, int, int]:  # noqa: E741
+    """(BLOCK_N, BLOCK_K, num_warps) of the down-and-combine pair kernel over D output columns:
+    each program holds a [k, BLOCK_N, BLOCK_K] tile of its token's k experts' weights; 8 output
+    columns x k experts, BLOCK_K chosen so that the tile stays at 8K elements (32 per thread of 8
+    warps). Where I is too short for that (no Qwen3-MoE's), more columns, up to D, fill the tile."""
+    k_pow2 = triton.next_power_of_2(top_k)
+    block_k = max(16, min(triton.next_power_of_2(I), 8192 // (8 * k_pow2)))
+    block_n = min(max(8, 8192 // (k_pow2 * block_k)), max(8, triton.next_power_of_2(D)))
+    return block_n, block_k, 8
 
 
 def tile_config(pairs: int) -> tuple[int, int, int]:
@@ -246,11 +249,11 @@ def _fused_moe_op(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if pairs <= PAIR_PATH_MAX_PAIRS:
         h = x.new_empty(pairs, I)  # [N*k, I] by pair
         pdl = use_pdl(x.device)
-        block_n, block_k = pair_config(D)
+        block_n, block_k = pair_config(D, I)
         _gate_up_pair_kernel[(pairs, triton.cdiv(I, block_n))](x, w13, h, topk_ids, D, I, TOP_K=top_k,
                                                                 BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
                                                                 num_warps=4, launch_pdl=pdl)
-        block_n, block_k, warps = down_combine_config(I, top_k)
+        block_n, block_k, warps = down_combine_config(I, top_k, D)
         _down_combine_pair_kernel[(N, triton.cdiv(D, block_n))](
             h, w2, topk_weights, topk_ids, out, D, I, TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
             BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=warps, launch_pdl=pdl)

@@ -39,14 +39,21 @@ class GemvLaunch:
     warps: int
 
 
+# Weights a program's tile holds at least: 2 rows of a 1024-wide stride, the smallest launch below.
+MIN_TILE = 2048
+
+
 def gemv_config(N: int, K: int) -> GemvLaunch:
     """The launch for N weight rows of K: 1024-wide strides along K, and few rows per program, so
     that many programs stream at once: 2 for matrices under 8M weights of up to 4096 rows
     (Qwen3-0.6B's but its gate/up projection), 4 otherwise (Qwen3-8B's, where 2 rows, or 8 or
     more with 512-wide strides, stream slower). A gated launch splits its rows between gate and
-    up. docs/benchmarks/decode-notes.md has the measurements."""
+    up. Rows shorter than a stride (K < 1024, no Qwen3 projection) take more rows per program, so
+    that a tile still holds MIN_TILE weights: a program of a few hundred weights would cost more
+    to schedule than to stream. docs/benchmarks/decode-notes.md has the measurements."""
+    block_k = min(1024, triton.next_power_of_2(K))
     block_n = 2 if N * K < 8 * 2**20 and N <= 4096 else 4
-    return GemvLaunch(block_n, min(1024, triton.next_power_of_2(K)), 4)
+    return GemvLaunch(max(block_n, MIN_TILE // block_k), block_k, 4)
 
 
 @triton.jit

@@ -23,12 +23,15 @@ from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 __all__ = ["qk_norm_rope"]
 
 
-def heads_per_program(n_tokens: int) -> tuple[int, int]:
+def heads_per_program(n_tokens: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps): a decode step's tokens (one per batch row, up to 256) take a program
-    per head, so that even one token spreads over many SMs; longer inputs (prefill) take 8 heads
-    (2 KiB of bf16) per program, as the norm kernels pack short rows: a 128-value head alone is
-    too little work for a program."""
-    return (1, 1) if n_tokens <= 256 else (8, 2)
+    per 128-value head (Qwen3's head_dim), so that even one token spreads over many SMs; longer
+    inputs (prefill) take 8 such heads (2 KiB of bf16) per program, as the norm kernels pack short
+    rows: a 128-value head alone is too little work for a program. Narrower heads are packed so
+    that a program holds as many values."""
+    values = 128 if n_tokens <= 256 else 1024
+    block_h = triton.next_power_of_2(-(-values // head_dim))
+    return (block_h, 1) if n_tokens <= 256 else (block_h, 2)
 
 
 @triton.jit
@@ -101,7 +104,7 @@ def _qk_norm_rope_op(
     k = torch.empty(N, n_kv_heads, hd, dtype=qkv.dtype, device=qkv.device)
     has_cache = k_cache is not None
     if N:
-        block_h, warps = heads_per_program(N)
+        block_h, warps = heads_per_program(N, hd)
         pdl = use_pdl(qkv.device)
         _qk_norm_rope_kernel[(N, triton.cdiv(n_heads + 2 * n_kv_heads, block_h))](
             qkv, q_weight, k_weight, cos, sin, positions, slots if has_cache else positions, q, k,

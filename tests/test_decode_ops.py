@@ -12,8 +12,8 @@ from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relativ
 from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ops.decode_attention import decode_attention, keys_per_step, num_splits, shared_memory_per_program
-from ops.gemv import gemv, gemv_rms_norm
+from ops.decode_attention import MAX_SPLITS, decode_attention, keys_per_step, num_splits, shared_memory_per_program
+from ops.gemv import MIN_TILE, GemvLaunch, gemv, gemv_config, gemv_rms_norm
 from ops.qk_norm_rope import qk_norm_rope
 from ops.silu_mul import silu_mul
 from ops.skinny_gemm import skinny_linear
@@ -33,9 +33,17 @@ def randn(*shape, dtype, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads", [(4, 2, 32), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
-@pytest.mark.parametrize("N", [7, 300], ids=["decode", "prefill"])  # a program per head; 8 heads per program
+HEADS = {"gqa": (4, 2, 32), "mqa-hd24": (4, 1, 24), "mha-hd128": (2, 2, 128)}
+FP32, BF16 = torch.float32, torch.bfloat16
+# A decode step's tokens (a program per head) in every head layout and dtype; a prefill's (over 256
+# tokens: several heads a program) in the odd head size in both dtypes and the others in bf16.
+QK_NORM_ROPE_CASES = [(dtype, name, 7) for name in HEADS for dtype in (FP32, BF16)] + [
+    (FP32, "mqa-hd24", 300), (BF16, "mqa-hd24", 300), (BF16, "gqa", 300), (BF16, "mha-hd128", 300)]
+
+
+@pytest.mark.parametrize("dtype, heads, N", [(dtype, HEADS[name], N) for dtype, name, N in QK_NORM_ROPE_CASES],
+                         ids=[f"{'decode' if N == 7 else 'prefill'}-{name}-{str(dtype)[6:]}"
+                              for dtype, name, N in QK_NORM_ROPE_CASES])
 def test_qk_norm_rope_equals_transformers_and_writes_the_cache(dtype, heads, N):
     H, K, hd = heads
     cfg = hf_config(num_attention_heads=H, num_key_value_heads=K, head_dim=hd, rope_theta=1_000_000.0)
@@ -86,6 +94,19 @@ def test_qk_norm_rope_without_a_cache_and_bad_shapes():
         qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H, K, k_cache=torch.zeros(4, K, hd, device=DEVICE))
 
 
+def assert_attention_close(actual, q, k_cache, v_cache, seq_lens, scale):
+    """actual against transformers' eager attention of the same inputs: in fp32, or for 16-bit
+    inputs computed in fp32 (the exact result of those inputs), to which a 16-bit kernel must come
+    as close as transformers' own 16-bit attention comes to it (two steps; transformers rounds the
+    scores and the probabilities to 16 bits, the kernel rounds the probabilities relative to a
+    running maximum: each lands its roundings elsewhere)."""
+    expected = hf_attention(q.float(), k_cache.float(), v_cache.float(), seq_lens, scale)
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=LAYER_FP32_RTOL, atol=LAYER_FP32_ATOL)
+    else:
+        assert relative_error(actual, expected) < LAYER_BF16_REL
+
+
 def hf_attention(q, k_cache, v_cache, seq_lens, scale):
     """transformers' eager attention of one query per row over each row's first seq_lens keys."""
     B, H, hd = q.shape
@@ -101,33 +122,47 @@ def hf_attention(q, k_cache, v_cache, seq_lens, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(8, 2, 64), (4, 1, 24), (2, 2, 128)], ids=["gqa", "mqa-hd24", "mha-hd128"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_attention_equals_transformers(dtype, heads, batch):
-    """Rows of 1 key, a key block and one more, and the whole cache: one slice or several."""
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-slice", "four-slices"])
+def test_decode_attention_equals_transformers(dtype, heads, batch, splits):
+    """Rows of 1 key, a key block and one more, and the whole cache: in one slice per row (the
+    output written by the slice itself) or in four, merged by their log-sum-exp (the row of one
+    key leaves three slices empty)."""
     H, K, hd = heads
     S = 200
     q = randn(batch, H, hd, dtype=dtype, seed=0)
     k_cache, v_cache = randn(batch, S, K, hd, dtype=dtype, seed=1), randn(batch, S, K, hd, dtype=dtype, seed=2)
     seq_lens = torch.tensor([1, 65, 200][:batch] if batch > 1 else [137], device=DEVICE)
     with torch.no_grad():
-        actual = decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5)
-        expected = hf_attention(q, k_cache, v_cache, seq_lens, hd**-0.5)
-    assert_close(actual, expected)
+        actual = decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5, splits=splits)
+        assert_attention_close(actual, q, k_cache, v_cache, seq_lens, hd**-0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_in_one_slice_per_row_equals_transformers(dtype):
-    """A batch x key/value heads that fills the GPU without splitting: each program writes its
-    row's output itself, with no slices to merge; rows that can hold 1,024 keys, which 16-bit
-    kernels read 128 a loop trip."""
-    B, H, K, hd, S = 32, 16, 16, 16, 1024
-    assert num_splits(B, K) == 1
+def test_decode_attention_of_rows_that_can_hold_1024_keys_equals_transformers(dtype):
+    """Rows that can hold 1,024 keys, in one slice each, which 16-bit kernels read 128 keys a loop
+    trip (fp32 ones 64): a row of one key, one ending inside a trip and a full row."""
+    B, H, K, hd, S = 3, 4, 2, 16, 1024
     assert keys_per_step(1, S, dtype, hd, shared_memory_per_program(DEVICE)) == (64 if dtype == torch.float32 else 128)
     q = randn(B, H, hd, dtype=dtype, seed=0)
     k_cache, v_cache = randn(B, S, K, hd, dtype=dtype, seed=1), randn(B, S, K, hd, dtype=dtype, seed=2)
-    seq_lens = torch.randint(1, S + 1, (B,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    seq_lens = torch.tensor([1, 300, S], device=DEVICE)
     with torch.no_grad():
-        assert_close(decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5),
-                     hf_attention(q, k_cache, v_cache, seq_lens, hd**-0.5))
+        actual = decode_attention(q, k_cache, v_cache, seq_lens, hd**-0.5, splits=1)
+        assert_attention_close(actual, q, k_cache, v_cache, seq_lens, hd**-0.5)
+
+
+def test_decode_attention_splits_rows_to_fill_a_gpu_and_not_the_interpreter():
+    """On a GPU a row is split into slices while batch x key/value heads leave it short of
+    TARGET_PROGRAMS programs (at most MAX_SPLITS); the interpreter runs one slice per row."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    assert num_splits(1, 8, gpu) == MAX_SPLITS and num_splits(16, 8, gpu) == 4
+    assert num_splits(32, 8, gpu) == 2 and num_splits(64, 8, gpu) == 1 and num_splits(256, 8, gpu) == 1
+    assert num_splits(1, 8, cpu) == 1
+    q = torch.zeros(1, 4, 32, device=DEVICE)
+    cache = torch.zeros(1, 10, 2, 32, device=DEVICE)
+    for bad in (0, MAX_SPLITS + 1, 2.0):
+        with pytest.raises(ValueError, match="splits must be an integer in"):
+            decode_attention(q, cache, cache, torch.ones(1, dtype=torch.long, device=DEVICE), 1.0, splits=bad)
 
 
 def test_decode_attention_reads_nothing_past_a_row_length():
@@ -136,11 +171,11 @@ def test_decode_attention_reads_nothing_past_a_row_length():
     k_cache, v_cache = randn(2, 100, 2, 32, dtype=torch.float32, seed=1), randn(2, 100, 2, 32, dtype=torch.float32,
                                                                                  seed=2)
     seq_lens = torch.tensor([30, 77], device=DEVICE)
-    clean = decode_attention(q, k_cache, v_cache, seq_lens, 0.1)
+    clean = decode_attention(q, k_cache, v_cache, seq_lens, 0.1, splits=4)  # slices ending past a row's keys
     for row, n in enumerate(seq_lens.tolist()):
         k_cache[row, n:] = float("nan")
         v_cache[row, n:] = float("nan")
-    assert torch.equal(decode_attention(q, k_cache, v_cache, seq_lens, 0.1), clean)
+    assert torch.equal(decode_attention(q, k_cache, v_cache, seq_lens, 0.1, splits=4), clean)
 
 
 def test_decode_attention_key_steps_follow_row_capacity_slices_dtype_and_shared_memory():
@@ -179,13 +214,25 @@ def test_silu_mul_equals_transformers(dtype, shape):
         silu_mul(gate_up[..., :-1])
 
 
+def test_gemv_launch_rule():
+    """2 rows per program of 1024-wide strides for matrices under 8M weights of up to 4096 rows, 4
+    above; rows shorter than a stride take as many rows as a tile of MIN_TILE weights holds."""
+    assert gemv_config(4096, 1024) == GemvLaunch(2, 1024, 4)  # Qwen3-0.6B's qkv projection
+    assert gemv_config(6144, 1024) == GemvLaunch(4, 1024, 4)  # its gate/up projection: over 4096 rows
+    assert gemv_config(1024, 3072) == GemvLaunch(2, 1024, 4)  # its down projection
+    assert gemv_config(6144, 4096) == GemvLaunch(4, 1024, 4)  # Qwen3-8B's qkv projection: over 8M weights
+    assert gemv_config(256, 64) == GemvLaunch(MIN_TILE // 64, 64, 4)  # a test model's
+    assert gemv_config(77, 300) == GemvLaunch(MIN_TILE // 512, 512, 4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(77, 300), (4096, 1024), (96, 2048), (2100, 4000)],
-                         ids=["small", "0.6b-qkv", "wide", "large"])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape, bias", [((77, 300), False), ((77, 300), True), ((10, 1024), False),
+                                         ((96, 2048), True), ((9, 1_000_003), True)],
+                         ids=["short-rows", "short-rows-bias", "one-stride", "two-strides-bias", "over-8m-bias"])
 def test_gemv_equals_linear(dtype, shape, bias):
-    """One row through a linear layer, as a batch-1 decode step's projections are computed (the
-    last shape over 8M weights: the launch for large matrices, 4 rows per program)."""
+    """One row through a linear layer, as a batch-1 decode step's projections are computed: each
+    launch of gemv_config's rule (short rows: 4 rows a program; 2 rows of one or two 1024-wide
+    strides; 4 rows over 8M weights), with masked tails of rows and columns."""
     N, K = shape
     layer = torch.nn.Linear(K, N, bias=bias).to(DEVICE, dtype)
     x = randn(1, 1, K, dtype=dtype, seed=0)

@@ -12,7 +12,7 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
-from ops.decode_attention import decode_attention, keys_per_step, num_splits, shared_memory_per_program
+from ops.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
 from qwen3 import PagedKVCache, Qwen3ForCausalLM
 from qwen3.engine import Engine, QueueFull, Request
 from qwen3.sampling import SamplingParams
@@ -30,16 +30,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def one_slice_per_row(monkeypatch):
-    """The decode kernel in one slice per row: the interpreter runs programs one after another, and
-    the default split (enough programs to fill a GPU) would cost minutes over a whole generation.
-    The split's own correctness is test_decode_ops' and test_paged_decode_attention_equals_contiguous's."""
-    import ops.decode_attention
-
-    monkeypatch.setattr(ops.decode_attention, "TARGET_PROGRAMS", 1)
 
 
 @pytest.fixture(scope="module")
@@ -114,26 +104,25 @@ def paged_copy(k_rows, v_rows, block_size, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B, S", [(3, 96), (64, 1024)], ids=["many-slices", "few-slices-long-rows"])
-def test_paged_decode_attention_equals_contiguous(dtype, B, S):
+@pytest.mark.parametrize("B, S, splits", [(3, 96, 4), (4, 1024, 1)], ids=["many-slices", "one-slice-long-rows"])
+def test_paged_decode_attention_equals_contiguous(dtype, B, S, splits):
     """The Triton kernel (interpreted on the CPU) reading keys through a block table gives the
     bits it gives reading the same keys from contiguous rows, with many slices per row (64 keys
-    a loop trip) and with few slices of rows that can be long (128 in 16 bits); so does the torch
+    a loop trip) and with one slice of rows that can be long (128 in 16 bits); so does the torch
     path (gather)."""
     H, K, hd, block = 4, 2, 32, 16
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(B, H, hd, generator=gen).to(DEVICE, dtype)
     k_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
     v_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
-    seq_lens = torch.tensor([1, 50, 96] if B == 3 else torch.randint(1, 600, (B,), generator=gen).tolist(),
-                            device=DEVICE)
-    long_steps = B == 64 and dtype == torch.bfloat16
-    steps = keys_per_step(num_splits(B, K), S, dtype, hd, shared_memory_per_program(DEVICE))
+    seq_lens = torch.tensor([1, 50, 96] if B == 3 else [1, 200, 777, 1024], device=DEVICE)
+    long_steps = S == 1024 and dtype == torch.bfloat16
+    steps = keys_per_step(splits, S, dtype, hd, shared_memory_per_program(DEVICE))
     assert steps == (128 if long_steps else 64)
     cache, table = paged_copy(k_rows, v_rows, block)
     k_blocks, v_blocks = cache.blocks(0)
-    contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5)
-    paged = decode_attention(q, k_blocks, v_blocks, seq_lens, hd**-0.5, block_table=table)
+    contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5, splits=splits)
+    paged = decode_attention(q, k_blocks, v_blocks, seq_lens, hd**-0.5, block_table=table, splits=splits)
     assert torch.equal(paged, contiguous)
     k_gathered, v_gathered = cache.gather(0, table)
     assert torch.equal(k_gathered, k_rows) and torch.equal(v_gathered, v_rows)
@@ -142,7 +131,7 @@ def test_paged_decode_attention_equals_contiguous(dtype, B, S):
 
 
 @pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_paged_forward_equals_the_full_forward(model, norm_impl, one_slice_per_row):
+def test_paged_forward_equals_the_full_forward(model, norm_impl):
     """Two rows prefilled one at a time into scattered blocks, then decoded together one token
     per step at their own positions: every step's logits equal the no-cache forward's, on the
     torch path (gather + SDPA) and the fused one (the paged Triton kernel)."""
@@ -174,7 +163,7 @@ def test_paged_forward_equals_the_full_forward(model, norm_impl, one_slice_per_r
 
 
 @pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl, one_slice_per_row):
+def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl):
     """Three prompts packed into one forward (cu_seqlens, padding and an empty sequence at the
     end) into scattered blocks: each one's last-token logits equal transformers' for the prompt
     alone, and so do the logits of a next token decoded through the cache the packed forward
@@ -238,7 +227,7 @@ def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("norm_impl, max_tokens", [("torch", [6, 14, 9, 4, 12]), ("triton", [2, 5, 3, 2, 3])])
-def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm_impl, max_tokens, one_slice_per_row):
+def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm_impl, max_tokens):
     """Five greedy requests of different lengths through a batch of 3: the later ones join as the
     first ones finish; each gets exactly what model.generate gives it alone (on the torch path:
     the fused one is tested equal to it in test_generation). Triton: fewer tokens, interpreted."""
