@@ -153,7 +153,7 @@ def plot(log: list[dict], baseline: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "weights" / "qwen3-stdlib-tiny")
     p.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "tiny")
@@ -168,7 +168,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-train-files", type=int, default=None, help="train on the first N files only (quick runs)")
-    args = p.parse_args()
+    p.add_argument("--max-val-tokens", type=int, default=None,
+                   help="validate on the first N validation tokens only (quick runs; default: all)")
+    args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
@@ -179,6 +181,7 @@ def main() -> None:
     t0 = time.time()
     tok = train_tokenizer(train_texts, ARCH["vocab_size"])
     train_tokens, val_tokens = encode(tok, train_texts).to(device), encode(tok, val_texts).to(device)
+    val_tokens = val_tokens[: args.max_val_tokens]
     baseline = unigram_cross_entropy(train_tokens.cpu(), val_tokens.cpu(), ARCH["vocab_size"])
     print(f"corpus: {stdlib} (Python {platform.python_version()}), {len(train_files)} train files "
           f"({len(train_tokens):,} tokens), {len(val_files)} validation files ({len(val_tokens):,} tokens); "

@@ -8,6 +8,13 @@ the kernels for real; tests then run on CUDA tensors.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist runs the suite in several worker processes (README's test command): each gets its
+# share of the cores for torch's intra-op threads, and so do the programs the tests start, so that
+# the workers do not oversubscribe the machine (a thread that waits for a busy core stalls every
+# operation it takes part in).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,3 +34,19 @@ requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (an
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture
+def run_cli(capfd, monkeypatch):
+    """run_cli(*args, stdin=b""): scripts/generate.py with these arguments (and this standard
+    input) in this process, as tests/in_process.py runs a script."""
+    import io
+    import sys
+
+    from in_process import GENERATE, call_main
+
+    def run(*args: str, stdin: bytes = b""):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+        return call_main(GENERATE.main, list(args), capfd)
+
+    return run

@@ -4,30 +4,48 @@ The CPU tests run the kernels in Triton's interpreter, which executes them as nu
 not apply the compiler's typing rules (a variable re-typed inside a branch, a loop bound of the
 wrong type): such a kernel passes every CPU test and fails to compile on the GPU. Compiling for
 an explicit target needs no GPU, so these tests catch that here. The interpreter replaces every
-@triton.jit function once TRITON_INTERPRET=1 is set (conftest sets it), so each test runs this
-file again in a child process with TRITON_INTERPRET=0, naming the test to run.
+@triton.jit function once TRITON_INTERPRET=1 is set (conftest sets it), so one child process with
+TRITON_INTERPRET=0 compiles every case of this file, and each test reads its case's result.
 """
 
 import inspect
+import json
 import os
 import subprocess
 import sys
+import traceback
 
 import pytest
 
-COMPILED = os.environ.get("TRITON_INTERPRET") != "1"  # in the child process
+DTYPES = ("bf16", "fp32")
 
 
-def run_compiled(test_name: str, dtype: str) -> None:
-    """Run `test_name(dtype)` of this file in a child process with the real compiler."""
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str | None]:
+    """{"kernels:dtype": None, or the compile error's traceback}: every case of CASES compiled in
+    one child process with the real compiler (one interpreter start for all of them)."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
     env = {**os.environ, "TRITON_INTERPRET": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    code = f"import test_kernels_compile as t; t.{test_name}({dtype!r})"
+    code = "import json, test_kernels_compile as t; print(json.dumps(t.compile_every_case()))"
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def compile_every_case() -> dict[str, str | None]:
+    """In the child process: each case of CASES in each dtype, compiled; its traceback if it failed."""
+    errors = {}
+    for name, compile_case in CASES.items():
+        for dtype in DTYPES:
+            try:
+                compile_case(dtype)
+                errors[f"{name}:{dtype}"] = None
+            except Exception:
+                errors[f"{name}:{dtype}"] = traceback.format_exc()[-3000:]
+    return errors
 
 
 def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, floats=(), **options) -> None:
@@ -49,10 +67,7 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, float
                    options=options)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_qk_norm_rope_kernel_compiles(dtype):
-    if not COMPILED:
-        return run_compiled("test_qk_norm_rope_kernel_compiles", dtype)
+def compile_qk_norm_rope_kernel(dtype: str) -> None:
     from ops import qk_norm_rope
 
     pointers = {name: f"*{dtype}" for name in ("QKV", "QW", "KW", "Q_OUT", "K_OUT", "K_CACHE", "V_CACHE")}
@@ -63,10 +78,7 @@ def test_qk_norm_rope_kernel_compiles(dtype):
                                 PDL=True), floats=("eps",))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_decode_attention_kernels_compile(dtype):
-    if not COMPILED:
-        return run_compiled("test_decode_attention_kernels_compile", dtype)
+def compile_decode_attention_kernels(dtype: str) -> None:
     from ops import decode_attention
 
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "OUT": f"*{dtype}", "SEQ_LENS": "*i64",
@@ -81,10 +93,7 @@ def test_decode_attention_kernels_compile(dtype):
                                                                       BLOCK_HD=128, PDL=True))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_gemv_and_silu_mul_kernels_compile(dtype):
-    if not COMPILED:
-        return run_compiled("test_gemv_and_silu_mul_kernels_compile", dtype)
+def compile_gemv_and_silu_mul_kernels(dtype: str) -> None:
     from ops import gemv, silu_mul
 
     pointers = {name: f"*{dtype}" for name in ("X", "R", "NW", "S", "W", "B", "Y", "GATE_UP", "OUT")}
@@ -100,10 +109,7 @@ def test_gemv_and_silu_mul_kernels_compile(dtype):
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_skinny_gemm_kernels_compile(dtype):
-    if not COMPILED:
-        return run_compiled("test_skinny_gemm_kernels_compile", dtype)
+def compile_skinny_gemm_kernels(dtype: str) -> None:
     from ops import skinny_gemm
 
     pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32"}
@@ -118,10 +124,7 @@ def test_skinny_gemm_kernels_compile(dtype):
                            dict(HAS_BIAS=True, GATED=gated, SPLIT=4, BLOCK=1024, PDL=True))
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_fused_moe_kernels_compile(dtype):
-    if not COMPILED:
-        return run_compiled("test_fused_moe_kernels_compile", dtype)
+def compile_fused_moe_kernels(dtype: str) -> None:
     from ops import fused_moe
 
     pointers = {name: f"*{dtype}" for name in ("X", "W13", "H", "W2", "TOPK_WEIGHTS", "Y", "OUT")}
@@ -138,3 +141,19 @@ def test_fused_moe_kernels_compile(dtype):
 
     route = {"LOGITS": f"*{dtype}", "WEIGHTS": f"*{dtype}", "IDS": "*i64"}
     compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True, PDL=True))
+
+
+CASES = {
+    "qk_norm_rope_kernel": compile_qk_norm_rope_kernel,
+    "decode_attention_kernels": compile_decode_attention_kernels,
+    "gemv_and_silu_mul_kernels": compile_gemv_and_silu_mul_kernels,
+    "skinny_gemm_kernels": compile_skinny_gemm_kernels,
+    "fused_moe_kernels": compile_fused_moe_kernels,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernels", list(CASES))
+def test_kernels_compile_for_hopper(compiled, kernels, dtype):
+    error = compiled[f"{kernels}:{dtype}"]
+    assert error is None, error

@@ -172,17 +172,35 @@ def test_bf16_logits_close_to_transformers_bf16(tmp_path):
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95
 
 
-def test_real_qwen3_0_6b_shape(tmp_path):
-    """The real Qwen3-0.6B architecture (28 layers, 151936 vocab, 16x128 heads on a 1024 hidden),
-    random weights, fp32, torch norm."""
-    real = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1_000_000.0, tie_word_embeddings=True)
+QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1_000_000.0, tie_word_embeddings=True)
+QWEN3_8B = dict(QWEN3_0_6B, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("real", [QWEN3_0_6B, QWEN3_8B], ids=["qwen3-0.6b", "qwen3-8b"])
+def test_real_configs_hold_transformers_tensors(real):
+    """At the real Qwen3-0.6B and 8B configs (built on the meta device: shapes, no memory), the
+    checkpoint keys and shapes our model fills are transformers' (a tied LM head is the embedding,
+    so it is not a key of its own)."""
+    with torch.device("meta"):
+        theirs = hf.Qwen3ForCausalLM(hf_config(**real))
+        mine = Qwen3ForCausalLM(our_config(hf_config(**real)))
+    expected = {k: tuple(v.shape) for k, v in theirs.state_dict().items()
+                if not (real["tie_word_embeddings"] and k == "lm_head.weight")}
+    assert {k: tuple(v.shape) for k, v in mine.checkpoint_tensors().items()} == expected
+
+
+def test_real_layer_dims_match_transformers(tmp_path):
+    """Two layers at Qwen3-0.6B's widths (16 x 128 query heads over a 1024 hidden: head_dim is not
+    hidden / heads), tied embeddings, a small vocabulary, transformers' own init, fp32: the logits."""
+    dims = dict(QWEN3_0_6B, vocab_size=4096, num_hidden_layers=2)
     torch.manual_seed(6)
-    reference = hf.Qwen3ForCausalLM(hf_config(**real)).eval()  # HF's own init at this scale
+    reference = hf.Qwen3ForCausalLM(hf_config(**dims)).eval()
     save(reference, tmp_path)
     model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, norm_impl="torch", progress=False)
-    ids = input_ids(real["vocab_size"], B=1, T=24)
+    ids = input_ids(dims["vocab_size"], B=1, T=24)
     with torch.no_grad():
         expected = reference(ids.cpu()).logits
         actual = model(ids.cpu())

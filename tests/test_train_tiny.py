@@ -1,35 +1,32 @@
-"""scripts/train_tiny.py: a short run exports a loadable checkpoint, and a rerun resumes from it."""
+"""scripts/train_tiny.py: a short run exports a loadable checkpoint, and a rerun resumes from it
+(its main() called in this process, with what it prints)."""
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from in_process import load_script
 
 from qwen3 import Qwen3ForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
+TRAIN_TINY = load_script("train_tiny")
 
 
-def train(out: Path, run: Path, steps: int) -> str:
-    result = subprocess.run(
-        [sys.executable, "scripts/train_tiny.py", "--out", str(out), "--run-dir", str(run), "--steps", str(steps),
-         "--eval-every", "2", "--batch", "2", "--seq", "32", "--norm", "torch", "--device", "cpu",
-         "--max-train-files", "40"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout
+def train(out: Path, run: Path, steps: int, capsys) -> str:
+    TRAIN_TINY.main(["--out", str(out), "--run-dir", str(run), "--steps", str(steps), "--eval-every", "2",
+                     "--batch", "2", "--seq", "32", "--norm", "torch", "--device", "cpu", "--max-train-files", "40",
+                     "--max-val-tokens", "4096"])
+    return capsys.readouterr().out
 
 
-def test_short_run_exports_and_resumes(tmp_path):
+def test_short_run_exports_and_resumes(tmp_path, capsys):
     out, run = tmp_path / "model", tmp_path / "run"
-    first = train(out, run, steps=2)
+    first = train(out, run, steps=2, capsys=capsys)
     assert "resumed" not in first
     assert (run / "resume.pt").exists()
     assert (run / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
-    second = train(out, run, steps=4)
+    second = train(out, run, steps=4, capsys=capsys)
     assert "resumed at step 2" in second
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4
