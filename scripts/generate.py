@@ -3,7 +3,8 @@
 One prompt's text streams to stdout as it is produced; a batch prints each prompt's text when all
 are done. Prompt tokens, prefill time, decode speed and peak memory go to stderr. Without --model
 it uses the small model shipped in weights/. A mistake ends in one line on stderr: exit status 2
-for a bad flag, 1 for any other error, 130 on Ctrl-C.
+for a bad flag (one the model or the device shows to be wrong included), 1 for any other error,
+130 on Ctrl-C.
 
 With --tensor-parallel, under torchrun, the model is split over the processes torchrun starts
 (one per GPU, NCCL; or CPU processes, gloo): torchrun --nproc-per-node 2 scripts/generate.py
@@ -50,10 +51,17 @@ def fail(message: object) -> NoReturn:
     sys.exit(f"{PROG}: error: {' '.join(str(message).split())}")
 
 
+def bad_flag(message: object) -> NoReturn:
+    """Exit with status 2, --help's status for a bad flag, and the message on one line of stderr:
+    also for a flag that only the model or the device shows to be wrong."""
+    print(f"{PROG}: error: {' '.join(str(message).split())} (see --help)", file=sys.stderr)
+    sys.exit(2)
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         """A bad flag is one line too (argparse's default prints the usage before it); status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        bad_flag(message)
 
 
 def sampling_flag(name: str, parse):
@@ -75,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat it for a batch")
     p.add_argument("--prompt-file", type=Path, metavar="FILE",
-                   help="a file with one prompt per line (blank lines skipped), added to the batch after any --prompt")
+                   help="a file with one prompt per line (blank lines skipped; - reads standard input), added to "
+                        "the batch after any --prompt")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, metavar="DIR",
                    help="checkpoint directory in Hugging Face layout (default: weights/qwen3-stdlib-tiny)")
     p.add_argument("--norm", choices=IMPLS, default="auto",
@@ -121,12 +130,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompt must not be empty")
     if args.prompt_file:
         try:
-            lines = [line for line in args.prompt_file.read_text().splitlines() if line.strip()]
+            lines = [line for line in read_prompt_file(args.prompt_file).splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as err:
             p.error(f"cannot read --prompt-file: {err}")
         if not lines:
             p.error(f"--prompt-file {args.prompt_file} has no prompts: it is empty or blank")
         args.prompt = (args.prompt or []) + lines
+    if args.device is not None and not args.device.strip():
+        p.error("--device must not be empty: cpu, cuda, cuda:1 ...")
     if not args.prompt:
         p.error("give at least one --prompt (or --prompt-file)")
     if args.max_new_tokens < 1:
@@ -137,6 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tensor-parallel runs under torchrun, which starts one process per rank: "
                 "torchrun --nproc-per-node 2 scripts/generate.py --tensor-parallel ...")
     return args
+
+
+def read_prompt_file(path: Path) -> str:
+    """The text of --prompt-file: standard input for "-", as tools take it; UTF-8, a byte-order
+    mark (which editors on Windows write first) dropped rather than kept in the first prompt."""
+    data = sys.stdin.buffer.read() if str(path) == "-" else path.read_bytes()
+    return data.decode("utf-8-sig")
 
 
 def header_text(prompt: str) -> str:
@@ -161,17 +179,47 @@ def chat_note(args: argparse.Namespace, tokenizer) -> str | None:
             "the prompt is used as plain text")
 
 
-def run(args: argparse.Namespace) -> None:
+class OutputError(Exception):
+    """Writing the text to stdout failed (a full disk): not the reader leaving, a BrokenPipeError."""
+
+
+class Stdout:
+    """The text's way out: stdout, flushed at each piece, remembering whether its last line is
+    unfinished (so that an interruption can end it before stderr's line)."""
+
+    def __init__(self):
+        self.line_open = False
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        self.line_open = not text.endswith("\n")  # first: Ctrl-C may land as soon as the text is out
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise OutputError(err.strerror or str(err)) from err
+
+    def end_line(self) -> None:
+        if self.line_open:
+            self.write("\n")
+
+
+def run(args: argparse.Namespace, out: Stdout) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
-        fail(f"--device: {err}")
+        bad_flag(f"--device: {err}")
+    if args.cuda_graph and device.type != "cuda":
+        bad_flag(f"--cuda-graph needs a CUDA device, and the model runs on {device} (use --device cuda)")
     try:
         norm = resolve_impl(args.norm, device)
     except ValueError as err:
-        fail(f"--norm {args.norm}: {err}")
+        bad_flag(f"--norm {args.norm}: {err}")
     if args.tensor_parallel:  # torchrun's environment names the ranks; one GPU per process
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -179,7 +227,7 @@ def run(args: argparse.Namespace) -> None:
                                 device_id=device if device.type == "cuda" else None)
     show = not args.tensor_parallel or dist.get_rank() == 0  # what one process prints, only rank 0 prints
     if not (args.model / "config.json").is_file():
-        fail(f"no model at {args.model}: it has no config.json (pass --model DIR with a Hugging Face "
+        bad_flag(f"--model: no model at {args.model}: it has no config.json (pass --model DIR with a Hugging Face "
              "Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
     try:
         tokenizer = load_tokenizer(args.model)
@@ -195,7 +243,8 @@ def run(args: argparse.Namespace) -> None:
     rows = [prompt_ids(tokenizer, p, chat=chat, thinking=thinking) for p in args.prompt]
     for prompt, row in zip(args.prompt, rows):
         if not row:
-            fail(f"the prompt {prompt!r} encodes to no tokens")
+            bad_flag(f"--prompt: the prompt {prompt!r} encodes to no tokens")
+    check_context(max(len(row) for row in rows), args.max_new_tokens, model.config.max_position_embeddings)
     eos = {tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     input_ids, attention_mask = pad_left(rows, pad)
@@ -212,9 +261,8 @@ def run(args: argparse.Namespace) -> None:
                 continue
             finished[i] = token in eos
             texts[i].append(streams[i].push(token))
-        if len(rows) == 1 and texts[0][-1] and show:
-            sys.stdout.write(texts[0][-1])
-            sys.stdout.flush()
+        if len(rows) == 1 and show:
+            out.write(texts[0][-1])
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -234,11 +282,10 @@ def run(args: argparse.Namespace) -> None:
     if not show:
         return
     if len(rows) == 1:
-        sys.stdout.write(texts[0][-1] + "\n")
+        out.write(texts[0][-1] + "\n")
     else:
         for i, (prompt, text) in enumerate(zip(args.prompt, texts)):
-            sys.stdout.write(f"=== [{i}] {header_text(prompt)}\n{''.join(text)}\n")
-    sys.stdout.flush()
+            out.write(f"=== [{i}] {header_text(prompt)}\n{''.join(text)}\n")
 
     prefill_ms = (stamps[0] - start) * 1e3
     decode_steps = len(stamps) - 1  # the prefill gives the first token; every later one is a decode step
@@ -259,18 +306,46 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
+def check_context(longest_prompt: int, max_new_tokens: int, context: int) -> None:
+    """A bad flag (status 2) unless the longest prompt and its new tokens fit the model's context."""
+    if longest_prompt >= context:
+        bad_flag(f"--prompt: a prompt of {longest_prompt} tokens exceeds the model's context of {context} "
+                 "tokens (max_position_embeddings), with no room for a new one")
+    if longest_prompt + max_new_tokens > context:
+        bad_flag(f"--max-new-tokens {max_new_tokens}: the longest prompt ({longest_prompt} tokens) and "
+                 f"{max_new_tokens} new tokens exceed the model's context of {context} tokens; at most "
+                 f"{context - longest_prompt} fit")
+
+
+def silence_stdout() -> None:
+    """Point stdout at devnull, so that the interpreter's last flush of what is still buffered
+    does not fail again (and print a second error) at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv=None) -> int:
+    if sys.stdout is None:  # started with stdout closed (`>&-`): the text has nowhere to go
+        print(f"{PROG}: error: standard output is closed, so the text has nowhere to go", file=sys.stderr)
+        return 1
+    out = Stdout()
     try:
-        run(parse_args(argv))
+        run(parse_args(argv), out)
         if dist.is_initialized():
             dist.destroy_process_group()
     except KeyboardInterrupt:
+        try:
+            out.end_line()  # the interruption's line does not start on a line of text
+        except (OSError, OutputError):
+            pass
         return interrupted()
     except BrokenPipeError:
-        # The reader of stdout has gone (`| head`): stop quietly, as cat does. stdout now points
-        # at devnull, so that the interpreter's last flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader of stdout has gone (`| head`): stop quietly, as cat does.
+        silence_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for cat stopped the same way
+    except OutputError as err:  # `> /dev/full`
+        silence_stdout()
+        print(f"{PROG}: error: cannot write to standard output: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,5 +1,7 @@
-"""scripts/generate.py end to end, in a subprocess, on a checkpoint and tokenizer made here (and the
---help of both front ends, generate.py and serve.py)."""
+"""scripts/generate.py end to end on a checkpoint and tokenizer made here (and the --help of both
+front ends, generate.py and serve.py): its main() called in this process with the text it writes to
+the file descriptors of stdout and stderr and its exit status, as a shell sees them; in a process of
+its own where the process is what is tested (a signal, a closed pipe, a full disk, a closed stdout)."""
 
 import json
 import os
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, save, save_tokenizer
+from in_process import GENERATE, call_main, load_script
 
 from ops import resolve_impl
 from qwen3.text import TextStream, load_tokenizer, prompt_ids
@@ -34,12 +37,6 @@ def base_model_dir(model_dir, tmp_path_factory):
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (path / name).symlink_to(model_dir / name)
     return save_tokenizer(path, chat=False)
-
-
-def run_cli(*args, timeout=300):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def test_chat_prompt_is_the_tokenizers_chat_template(model_dir):
@@ -76,7 +73,7 @@ def test_flush_returns_what_push_held_back():
     assert "".join(whole.push(t) for t in ids) == "café" and whole.flush() == ""
 
 
-def test_generates_and_reports_timing(model_dir):
+def test_generates_and_reports_timing(model_dir, run_cli):
     result = run_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
                      "--temperature", "0", "--no-chat", "--norm", "triton")
     assert result.returncode == 0, result.stderr
@@ -91,7 +88,7 @@ def test_generates_and_reports_timing(model_dir):
     assert one_thread.stdout == greedy
 
 
-def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_path):
+def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_path, run_cli):
     """Each row of a batch (one --prompt, one from --prompt-file, of different lengths) prints the
     text that its prompt alone prints; the summary counts the real prompt tokens, not padding."""
     prompts = ["def add(a, b):", "x"]
@@ -111,7 +108,7 @@ def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_
     assert "norm torch]" in batch.stderr  # auto, resolved for the CPU
 
 
-def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
+def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir, run_cli):
     """A prompt whose characters do not all print as themselves (a line break) is shown as a
     Python string literal, so that its `=== [i]` header stays one line; a plain one as typed."""
     prompts = ["def add(a, b):\n    return", "x"]
@@ -122,7 +119,7 @@ def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir):
     assert "\n=== [1] x\n" in result.stdout, result.stdout
 
 
-def test_one_new_token_reports_no_decode_rate(model_dir):
+def test_one_new_token_reports_no_decode_rate(model_dir, run_cli):
     """--max-new-tokens 1: the prefill gives the only token, so there is no decode step to time."""
     result = run_cli("--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "1", "--no-chat")
     assert result.returncode == 0, result.stderr
@@ -130,7 +127,7 @@ def test_one_new_token_reports_no_decode_rate(model_dir):
     assert "no decode steps" in summary and "nan" not in summary and "steps/s" not in summary, summary
 
 
-def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir):
+def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir, run_cli):
     """--chat or --thinking asked of a base model: one note on stderr, and the plain prompt's text,
     as the defaults give it; the defaults themselves say nothing."""
     greedy = ["--model", str(base_model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "4",
@@ -147,7 +144,7 @@ def test_chat_flags_on_a_model_without_a_chat_template_say_so(base_model_dir):
         assert note.endswith("the prompt is used as plain text"), note
 
 
-def test_seeded_sampling_repeats(model_dir):
+def test_seeded_sampling_repeats(model_dir, run_cli):
     args = ["--model", str(model_dir), "--prompt", "import os", "--prompt", "for i in range(3):",
             "--max-new-tokens", "8", "--seed", "7", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9",
             "--chat", "--no-thinking"]
@@ -164,13 +161,13 @@ def test_auto_norm_is_triton_on_cuda_and_torch_on_the_cpu():
 
 
 @pytest.mark.parametrize("script, without_default", [
-    ("generate.py", {"--help", "--prompt", "--prompt-file", "--tensor-parallel"}),
-    ("serve.py", {"--help"}),
+    ("generate", {"--help", "--prompt", "--prompt-file", "--tensor-parallel"}),
+    ("serve", {"--help"}),
 ])
-def test_help_shows_every_flags_default(script, without_default):
+def test_help_shows_every_flags_default(script, without_default, capfd):
     """Each flag that --help lists says its default (but those that have none: the prompts, a switch)."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT)
+    module = GENERATE if script == "generate" else load_script("serve")
+    result = call_main(module.parse_args, ["--help"], capfd)
     assert result.returncode == 0, result.stderr
     entries = re.split(r"\n  (?=-)", result.stdout.split("options:")[1])  # a flag's entry is indented by two
     shown = {}
@@ -180,33 +177,41 @@ def test_help_shows_every_flags_default(script, without_default):
     assert "--model" in shown and without_default <= set(shown), sorted(shown)
     for flag, text in shown.items():
         if flag not in without_default:
-            assert "(default: " in text or "; default: " in text, f"{script} {flag} does not say its default: {text}"
+            assert "(default: " in text or "; default: " in text, f"{script}.py {flag} does not say its default: {text}"
 
 
-# A user's mistakes, each ending in one line on stderr (no traceback) and a non-zero exit status.
+# A user's mistakes, each ending in one line on stderr (no traceback) and the exit status --help
+# promises: 2 for a bad flag (also one that only the model or the machine shows to be wrong), 1 for
+# another error (a damaged checkpoint).
 ABSENT_CUDA = ["cuda", "cuda:1"] if not torch.cuda.is_available() else [f"cuda:{torch.cuda.device_count()}"]
 MISTAKES = {
-    "empty prompt": (["--prompt", ""], "--prompt must not be empty"),
-    **{f"device {d}": (["--device", d], f"device {d} is not available") for d in ABSENT_CUDA},
-    "device gpu": (["--device", "gpu"], "unknown device 'gpu'"),
-    "device mps": (["--device", "mps"], "device mps is not available"),
-    "device meta": (["--device", "meta"], "--device: device meta holds shapes but no data"),
-    "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
-    "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
-    "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite"),
+    "empty prompt": (["--prompt", ""], "--prompt must not be empty", 2),
+    **{f"device {d}": (["--device", d], f"device {d} is not available", 2) for d in ABSENT_CUDA},
+    "device gpu": (["--device", "gpu"], "unknown device 'gpu'", 2),
+    "device mps": (["--device", "mps"], "device mps is not available", 2),
+    "device meta": (["--device", "meta"], "--device: device meta holds shapes but no data", 2),
+    "device empty": (["--device", ""], "--device must not be empty", 2),
+    "temperature nan": (["--temperature", "nan"], "argument --temperature: must be >= 0 and finite", 2),
+    "temperature inf": (["--temperature", "inf"], "argument --temperature: must be >= 0 and finite", 2),
+    "temperature < 0": (["--temperature", "-0.5"], "argument --temperature: must be >= 0 and finite", 2),
     # Named as typed, and checked before any model loads: the missing model is never reached.
-    "top-p 0, no model": (["--top-p", "0", "--model", "{no_config}"], "argument --top-p: must be in (0, 1]"),
-    "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
-    "max-new-tokens < 0": (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5"),
-    "threads 0": (["--threads", "0"], "--threads must be >= 1, got 0"),
-    "empty prompt file": (["--prompt-file", "{empty}"], "has no prompts"),
-    "no config.json": (["--model", "{no_config}"], "it has no config.json"),
-    "no tokenizer.json": (["--model", "{no_tokenizer}"], "no tokenizer.json in"),
-    "config key missing": (["--model", "{no_hidden_size}"], "config.json is missing 'hidden_size'"),
+    "top-p 0, no model": (["--top-p", "0", "--model", "{no_config}"], "argument --top-p: must be in (0, 1]", 2),
+    "max-new-tokens 0": (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0", 2),
+    "max-new-tokens < 0": (["--max-new-tokens", "-5"], "--max-new-tokens must be >= 1, got -5", 2),
+    "max-new-tokens past the context": (["--max-new-tokens", "100000"], "--max-new-tokens 100000: the longest "
+                                        "prompt (1 tokens) and 100000 new tokens exceed the model's context of 512 "
+                                        "tokens; at most 511 fit", 2),
+    "cuda graph on the cpu": (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and the "
+                              "model runs on cpu", 2),
+    "threads 0": (["--threads", "0"], "--threads must be >= 1, got 0", 2),
+    "empty prompt file": (["--prompt-file", "{empty}"], "has no prompts", 2),
+    "no config.json": (["--model", "{no_config}"], "it has no config.json", 2),
+    "no tokenizer.json": (["--model", "{no_tokenizer}"], "no tokenizer.json in", 1),
+    "config key missing": (["--model", "{no_hidden_size}"], "config.json is missing 'hidden_size'", 1),
     "config disagrees with the tensors": (["--model", "{narrow_mlp}"],
                                           "model.layers.0.mlp.down_proj.weight in model.safetensors has shape "
-                                          "(64, 160), expected (64, 128)"),
-    "config transformers refuses": (["--model", "{fewer_layers}"], "num_hidden_layers"),
+                                          "(64, 160), expected (64, 128)", 1),
+    "config transformers refuses": (["--model", "{fewer_layers}"], "num_hidden_layers", 1),
 }
 
 
@@ -236,38 +241,45 @@ def broken(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", MISTAKES)
-def test_a_mistake_ends_in_one_line_on_stderr(model_dir, broken, case):
-    args, message = MISTAKES[case]
+def test_a_mistake_ends_in_one_line_on_stderr(model_dir, broken, case, run_cli):
+    args, message, status = MISTAKES[case]
     result = run_cli("--model", str(model_dir), "--prompt", "x", "--max-new-tokens", "2", "--no-chat",
                      *[a.format(**broken) for a in args])
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
+    assert result.returncode == status, result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("generate.py: error: ") and message in result.stderr, result.stderr
 
 
-def start_cli(*args) -> subprocess.Popen:
-    """generate.py in the background, with Ctrl-C's default action (a shell may start it ignored)."""
+def start_cli(*args, **popen) -> subprocess.Popen:
+    """generate.py in a process of its own, with Ctrl-C's default action (a shell may start it
+    ignored); stdout and stderr piped unless `popen` says otherwise."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / "generate.py"), *args], env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
 
 
-def test_ctrl_c_while_generating_is_one_line_and_status_130(model_dir):
-    cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
-                    "--max-new-tokens", "400", "--device", "cpu")
-    assert cli.stdout.read(1), "no text before the interrupt"  # generating
+LONG_GREEDY = ["--prompt", "def add(a, b):", "--no-chat", "--temperature", "0", "--max-new-tokens", "400",
+               "--device", "cpu"]
+
+
+def test_ctrl_c_while_generating_ends_the_text_line_then_says_so_with_status_130(model_dir):
+    """The text so far, its line ended (so that the shell's prompt, or the message on a terminal
+    that shows both streams, starts a line of its own), and one line on stderr."""
+    cli = start_cli("--model", str(model_dir), *LONG_GREEDY)
+    first = cli.stdout.read(1)
+    assert first, "no text before the interrupt"  # generating
     cli.send_signal(signal.SIGINT)
-    _, stderr = cli.communicate(timeout=120)
-    assert cli.returncode == 130
+    rest, stderr = cli.stdout.read(), cli.stderr.read()  # buffered: what read(1) took in comes first
+    assert cli.wait(timeout=120) == 130
     assert stderr.decode() == "generate.py: interrupted\n"
+    assert (first + rest).endswith(b"\n")
 
 
 def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
     """As `| head -c 1`: the reader closes the pipe while text still comes."""
-    cli = start_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--temperature", "0",
-                    "--max-new-tokens", "400", "--device", "cpu")
+    cli = start_cli("--model", str(model_dir), *LONG_GREEDY)
     assert cli.stdout.read(1)
     cli.stdout.close()
     stderr = cli.stderr.read().decode()
@@ -275,14 +287,35 @@ def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
     assert stderr == ""
 
 
-def test_prompt_longer_than_the_context_is_refused(model_dir):
+def test_a_full_disk_or_a_closed_stdout_is_one_line(model_dir):
+    """`> /dev/full` (every write fails: no space) and `>&-` (no stdout at all): one line each
+    and status 1, not a traceback (nor a second error from the interpreter's last flush)."""
+    args = ("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--max-new-tokens", "8")
+    with open("/dev/full", "w") as full:
+        cli = start_cli(*args, stdout=full)
+        _, stderr = cli.communicate(timeout=120)
+    assert cli.returncode == 1
+    assert stderr.decode() == "generate.py: error: cannot write to standard output: No space left on device\n"
+    cli = subprocess.run(["sh", "-c", 'exec "$0" "$@" >&-', sys.executable, str(ROOT / "scripts" / "generate.py"),
+                          *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert cli.returncode == 1
+    assert cli.stderr == "generate.py: error: standard output is closed, so the text has nowhere to go\n"
+
+
+def test_prompt_longer_than_the_context_is_refused(model_dir, run_cli):
     result = run_cli("--model", str(model_dir), "--prompt", "x " * 600, "--no-chat")
-    assert result.returncode != 0
+    assert result.returncode == 2
     [line] = result.stderr.splitlines()  # one line: not the tokenizer's warning beside ours
-    assert "exceeds the model's context" in line
+    assert line.startswith("generate.py: error: --prompt: a prompt of ") and "exceeds the model's context" in line
 
 
-def test_cuda_graph_on_the_cpu_is_refused(model_dir):
-    result = run_cli("--model", str(model_dir), "--prompt", "x", "--device", "cpu", "--cuda-graph")
-    assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "cuda_graph=True needs the model on a CUDA device" in result.stderr
+def test_a_prompt_file_of_dash_is_standard_input_and_a_byte_order_mark_is_not_text(model_dir, tmp_path, run_cli):
+    """--prompt-file - reads the prompts from standard input; a file saved with a UTF-8 byte-order
+    mark gives the prompts typed, without the mark in the first one."""
+    greedy = ["--model", str(model_dir), "--max-new-tokens", "3", "--temperature", "0", "--no-chat"]
+    typed = run_cli(*greedy, "--prompt", "def add(a, b):", "--prompt", "x")
+    assert typed.returncode == 0, typed.stderr
+    piped = run_cli(*greedy, "--prompt-file", "-", stdin=b"def add(a, b):\nx\n")
+    assert piped.stdout == typed.stdout
+    (tmp_path / "bom.txt").write_bytes("\ufeffdef add(a, b):\nx\n".encode())
+    assert run_cli(*greedy, "--prompt-file", str(tmp_path / "bom.txt")).stdout == typed.stdout

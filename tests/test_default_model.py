@@ -59,12 +59,12 @@ def test_readme_first_command_runs_offline():
     assert "decode steps" in result.stderr
 
 
-def test_readme_greedy_example_prints_what_readme_shows():
+def test_readme_greedy_example_prints_what_readme_shows(run_cli):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("### The shipped model", 1)[1]
     command, shown = re.search(r"```bash\n(.+?)\n```.*?```text\n(.*?)```", section, re.DOTALL).groups()
     argv = shlex.split(command)
     assert argv[:2] == ["python", "scripts/generate.py"] and "--temperature" in argv
-    result = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = run_cli(*argv[2:])
     assert result.returncode == 0, result.stderr
     assert result.stdout == shown

@@ -134,15 +134,13 @@ def test_moe_is_refused_with_what_is_missing(tmp_path):
         Qwen3ForCausalLM.from_pretrained(tmp_path, progress=False, tensor_parallel=True)
 
 
-def test_torchrun_prints_what_one_process_prints():
+def test_torchrun_prints_what_one_process_prints(run_cli):
     """torchrun with two CPU processes (gloo) prints, from rank 0 only, the text one process prints."""
     args = ["--prompt", "def fibonacci(n):", "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "scripts/generate.py", *args], capture_output=True, text=True,
-                            timeout=300, env=env, cwd=ROOT)
+    single = run_cli(*args)
     split = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                             "scripts/generate.py", *args, "--tensor-parallel"], capture_output=True, text=True,
-                           timeout=300, env=env, cwd=ROOT)
+                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert single.returncode == 0, single.stderr
     assert split.returncode == 0, split.stderr
     assert single.stdout.strip()
@@ -151,9 +149,9 @@ def test_torchrun_prints_what_one_process_prints():
     assert "tensor parallel over 2 ranks" in split.stderr
 
 
-def test_tensor_parallel_flag_outside_torchrun_is_refused():
-    result = subprocess.run([sys.executable, "scripts/generate.py", "--prompt", "x", "--tensor-parallel"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+def test_tensor_parallel_flag_outside_torchrun_is_refused(run_cli, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    result = run_cli("--prompt", "x", "--tensor-parallel")
     assert result.returncode == 2
     assert "--tensor-parallel" in result.stderr and "torchrun" in result.stderr
 
