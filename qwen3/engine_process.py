@@ -55,6 +55,7 @@ HEARTBEAT_S = 1.0
 ANSWER_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0  # for the engine process to end after "stop"; then it is killed
 STDERR_TAIL_BYTES = 8192  # of the engine's stderr, kept to say why it died
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class EngineDead(RuntimeError):
@@ -211,8 +212,9 @@ class EngineLoop:
 
 def serve_engine(conn, stderr, spec: EngineSpec) -> None:
     """The engine process: build the engine, then serve the pipe's messages (EngineLoop)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the server stops this process, not the terminal
+    for sig in STOP_SIGNALS:  # the server stops this process, not the terminal
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server while it started us
     take_over_stderr(stderr)
     try:
         engine = build_engine(spec)
@@ -282,32 +284,19 @@ class StderrTail:
 
 
 class EngineProcess:
-    """The server's handle on the engine process; the calls of Engine that a server needs."""
+    """The server's handle on the engine process; the calls of Engine that a server needs.
 
-    def __init__(self, spec: EngineSpec, answer_timeout_s: float = ANSWER_TIMEOUT_S):
+    The constructor starts the process and, unless wait=False, waits until it has loaded the model;
+    with wait=False the caller does other work meanwhile (serve.py loads its tokenizer) and then
+    calls wait_until_ready, after which limits and generation_config are there. Either way, an
+    exception (a Ctrl-C included) on the way kills the process."""
+
+    def __init__(self, spec: EngineSpec, answer_timeout_s: float = ANSWER_TIMEOUT_S, wait: bool = True):
         self.max_batch, self.max_waiting = spec.max_batch, spec.max_waiting
         self.answer_timeout_s = answer_timeout_s
         self._stopping = False  # stop() or kill() asked for the end: not a death
         self._hung = False  # the reader killed a silent engine
         self.death: str | None = None  # once the process has ended: how, in one sentence
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        self._conn, child = context.Pipe()
-        stderr_in, stderr_out = context.Pipe(duplex=False)
-        self._process = context.Process(target=serve_engine, args=(child, stderr_out, spec), name="qwen3-engine",
-                                        daemon=True)
-        self._process.start()
-        child.close()
-        stderr_out.close()
-        self._stderr = StderrTail(stderr_in)
-        try:
-            info = self._wait_until_ready()
-        except BaseException:  # Ctrl-C while loading too: never leave the process behind
-            self.kill()
-            raise
-        self._stderr.forget()
-        self.limits: Limits = info["limits"]
-        self.generation_config = info["generation_config"]
-        self.max_len = self.limits.max_len
         self._callbacks: dict[int, Callable[[Output], None]] = {}
         self._ids = itertools.count()
         self._tokens = itertools.count()
@@ -316,11 +305,44 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._on_death: Callable[[str], None] | None = None
-
-    def _wait_until_ready(self) -> dict:
-        """The engine's "ready" info; RuntimeError (it died, or took too long) or ValueError (its load error)."""
-        if not self._conn.poll(START_TIMEOUT_S):
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child = context.Pipe()
+        stderr_in, stderr_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=serve_engine, args=(child, stderr_out, spec), name="qwen3-engine",
+                                        daemon=True)
+        try:
+            # Blocked while the process starts: a signal handler raising in the middle of start()
+            # would cut the child's start-up data short (a traceback from the child). The child
+            # inherits the mask, so a Ctrl-C reaching it while it imports waits until it ignores it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                self._process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is raised here
+            child.close()
+            stderr_out.close()
+            self._stderr = StderrTail(stderr_in)
+        except BaseException:
             self.kill()
+            raise
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Wait for the model to load. RuntimeError if the process dies or takes START_TIMEOUT_S,
+        ValueError with the load's error (a bad checkpoint); the process is killed then."""
+        try:
+            info = self._ready_info()
+        except BaseException:  # Ctrl-C while loading too: never leave the process behind
+            self.kill()
+            raise
+        self._stderr.forget()
+        self.limits: Limits = info["limits"]
+        self.generation_config = info["generation_config"]
+        self.max_len = self.limits.max_len
+
+    def _ready_info(self) -> dict:
+        if not self._conn.poll(START_TIMEOUT_S):
             raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
         try:
             message = self._conn.recv()
@@ -407,6 +429,8 @@ class EngineProcess:
     def kill(self) -> None:
         """End the engine process at once (the server is exiting without a graceful stop)."""
         self._stopping = True
+        if self._process.pid is None:  # never started
+            return
         if self._process.is_alive():
             self._process.kill()
         self._process.join(timeout=5)

@@ -142,10 +142,10 @@ def fail(message: str):
     sys.exit(f"serve.py: error: {message}")
 
 
-def check_model(args: argparse.Namespace):
-    """What serve.py checks before it starts anything: the device, and the checkpoint's config.json,
-    generation_config.json and tokenizer; each mistake is one line that names the file (SystemExit).
-    Returns (device, dtype, tokenizer). The weights are checked where they load, in the engine process."""
+def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """What serve.py checks before it starts anything: the device, the checkpoint's config.json and
+    generation_config.json; each mistake is one line that names the file and the key (SystemExit).
+    The tokenizer is checked as it loads (tokenizer_of), the weights in the engine process."""
     try:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
@@ -155,30 +155,47 @@ def check_model(args: argparse.Namespace):
     try:
         dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.model).dtype)
         read_generation_config(args.model)
-        tokenizer = load_tokenizer(args.model)
     except (OSError, ValueError) as err:
         fail(f"cannot load {args.model}: {err}")
-    return device, dtype, tokenizer
+    return device, dtype
+
+
+def tokenizer_of(args: argparse.Namespace):
+    """The checkpoint's tokenizer, or the exit with one line that names its broken file."""
+    try:
+        return load_tokenizer(args.model)
+    except (OSError, ValueError) as err:
+        fail(f"cannot load {args.model}: {err}")
 
 
 def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> EngineProcess:
-    """The engine process with the model loaded, or the exit with one line that says why not."""
+    """The engine process, started: it loads the model while serve.py loads its tokenizer."""
     spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
                       block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
                       cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens, threads=args.threads)
     try:
-        return EngineProcess(spec, answer_timeout_s=args.engine_timeout)  # the model loads in the engine's process
+        return EngineProcess(spec, answer_timeout_s=args.engine_timeout, wait=False)
+    except OSError as err:
+        fail(f"cannot start the engine process: {err}")
+
+
+def wait_for_engine(engine: EngineProcess, model: Path) -> None:
+    """Until the engine has loaded the model, or the exit with one line that says why it could not."""
+    try:
+        engine.wait_until_ready()
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        fail(f"cannot load {args.model}: {err}")
+        fail(f"cannot load {model}: {err}")
 
 
 def serve(args: argparse.Namespace) -> None:
-    from qwen3.server import HTTPServer, create_app
-
-    device, dtype, tokenizer = check_model(args)
+    device, dtype = check_model(args)
     sock = bind(args.host, args.port)
     engine = start_engine(args, device, dtype)
     try:
+        from qwen3.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
+
+        tokenizer = tokenizer_of(args)
+        wait_for_engine(engine, args.model)
         name = args.served_model_name or args.model.resolve().name
         limits = engine.limits
         port = sock.getsockname()[1]  # --port 0: the one the system chose

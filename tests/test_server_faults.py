@@ -202,6 +202,14 @@ def test_fields_that_ask_for_nothing_or_change_nothing_are_accepted(server, refe
     assert "has no chat template" in error_of(r)["message"], r.text  # past the fields, to the base model's refusal
 
 
+def test_a_chat_request_to_a_base_model_gets_a_400_pointing_to_completions(server, reference):
+    """The shipped model has no chat template: no plain-text format is guessed for it."""
+    r = httpx.post(f"{server}{CHAT}", json=request_body(CHAT, {}), timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text
+    assert "has no chat template (a base model): use /v1/completions" in error_of(r)["message"]
+    assert_still_serving(server, reference)
+
+
 def damaged_model(tmp_path, name: str, content: bytes | None):
     """The shipped model with one file replaced by content (None: removed)."""
     for file in SHIPPED.iterdir():
@@ -235,11 +243,14 @@ DAMAGED = [  # (file, its new content, what the one line says after "cannot load
 @pytest.mark.parametrize("name, content, says", DAMAGED, ids=[f"{n}-{'gone' if c is None else len(c)}"
                                                               for n, c, _ in DAMAGED])
 def test_a_damaged_checkpoint_file_ends_serve_py_with_one_line_naming_it(tmp_path, name, content, says):
-    """Checked before the port is bound or the engine starts: one line naming the file (and the key)."""
+    """What serve.py checks in its own process (config.json and generation_config.json before the port
+    is bound, the tokenizer while the engine loads): one line naming the file (and the key)."""
     model = damaged_model(tmp_path, name, content)
     serve = load_serve_py()
+    args = serve.parse_args(["--model", str(model), "--device", "cpu"])
     with pytest.raises(SystemExit) as exit:
-        serve.check_model(serve.parse_args(["--model", str(model), "--device", "cpu"]))
+        serve.check_model(args)
+        serve.tokenizer_of(args)
     line = exit.value.code
     assert isinstance(line, str) and "\n" not in line
     assert line.startswith(f"serve.py: error: cannot load {model}: {says.replace('DIR', str(model))}"), line
@@ -250,9 +261,10 @@ def test_damaged_weights_end_serve_py_with_one_line_naming_the_file(tmp_path):
     model = damaged_model(tmp_path, "model.safetensors", half("model.safetensors"))
     serve = load_serve_py()
     args = serve.parse_args(["--model", str(model), "--device", "cpu"])
-    device, dtype, _ = serve.check_model(args)  # nothing to see before the weights
+    engine = serve.start_engine(args, *serve.check_model(args))  # nothing to see before the weights
     with pytest.raises(SystemExit) as exit:
-        serve.start_engine(args, device, dtype)
+        serve.wait_for_engine(engine, model)
+    assert process_gone(engine.pid)
     line = exit.value.code
     assert isinstance(line, str) and "\n" not in line
     assert line.startswith(f"serve.py: error: cannot load {model}: cannot read safetensors file "
@@ -292,13 +304,13 @@ def test_a_killed_engine_process_ends_every_request_with_its_cause_and_the_serve
         engine = served.engine_pid()
         os.kill(engine, signal.SIGSTOP)  # so that a /health is waiting for the engine when it dies
         asked = pool.submit(httpx.get, f"{served.url}/health", timeout=REQUEST_TIMEOUT_S)
-        time.sleep(0.5)
+        time.sleep(1.0)
         os.kill(engine, signal.SIGKILL)
         events = rest_of(lines)
         not_streamed, health_then = waiting.result(REQUEST_TIMEOUT_S), asked.result(REQUEST_TIMEOUT_S)
         status = served.wait(30)
     cause = "the engine process was killed by SIGKILL"
-    says = cause.capitalize()
+    says = "T" + cause[1:]  # a client's message is a sentence
     assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"].startswith(says), events[-3:]
     for r in (not_streamed, health_then):
         assert r.status_code == 503 and error_of(r)["message"].startswith(says), r.text
@@ -367,16 +379,21 @@ def test_a_second_signal_stops_the_server_at_once(tmp_path):
     assert process_gone(engine)
 
 
-def test_a_signal_while_starting_stops_serve_py_in_one_line():
-    """Ctrl-C while torch imports or the model loads: one line, status 0, no traceback, no engine left."""
+def test_a_signal_while_the_model_loads_stops_serve_py_in_one_line():
+    """Ctrl-C once the engine process is loading the model: one line, status 0, no traceback, and the
+    engine process ended with it."""
     proc = subprocess.Popen([sys.executable, str(SERVE_PY), "--port", "0", "--device", "cpu"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    time.sleep(1.5)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 60
+    while not (engine := [int(pid) for pid in children.read_text().split()
+                          if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert (proc.returncode, out, err) == (0, "", "serve.py: SIGINT while starting: stopped\n")
-    assert all(process_gone(int(pid)) for pid in children)
+    assert process_gone(engine[0])
 
 
 def test_the_shared_server_is_still_healthy(server, reference):
