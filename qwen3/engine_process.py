@@ -1,7 +1,7 @@
 """The engine (qwen3/engine.py) in a process of its own, driven through a pipe: what the server runs.
 
     engine = EngineProcess(EngineSpec(model_dir, ...))   # starts the process, loads the model there
-    engine.start()                                       # the thread that receives outputs
+    engine.start(on_death)                               # the threads that send requests and receive outputs
     seq_id = engine.submit(request, on_output)           # on_output(Output) per event, on that thread
     engine.cancel(seq_id); stats = await engine.stats(); engine.stop()
 
@@ -14,19 +14,30 @@ strings run there too.
 The pipe carries pickled tuples, one message per engine step for all of that step's outputs:
     to the engine:   ("add", id, Request) | ("cancel", id) | ("stats", token) | ("stop",)
     from the engine: ("ready", info) | ("error", message) | ("outputs", [(id, *Output fields), ...])
-                     | ("stats", token, {...})
+                     | ("stats", token, {...}) | ("alive",)
 On this side one writer thread sends, in order, what the event loop queues: the loop never blocks
-on a pipe that is full while the engine is in a long step. The engine process ignores Ctrl-C
-(the terminal sends it to the whole process group): the server ends it with "stop", or it ends
-when the pipe closes.
+on a pipe that is full while the engine is in a long step.
+
+Faults. The engine process ignores SIGINT and SIGTERM (a terminal sends Ctrl-C to the whole
+process group, a service manager may send SIGTERM to every process of the service): the server
+decides when it stops, with "stop", and it ends when the pipe closes. Its stderr comes through a
+pipe that a thread here copies to the server's stderr, keeping the last lines: when the engine
+dies, every open request ends with finish_reason "error" and `death` says how (its exit status or
+signal, and the last line it wrote). It sends a message at least every HEARTBEAT_S; one silent
+for answer_timeout_s (a step that never ends, a stopped process) is taken as hung, killed, and
+reported the same way.
 """
 
 import asyncio
+import faulthandler
 import itertools
 import multiprocessing
+import os
 import queue
 import signal
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +48,25 @@ import torch
 from .engine import PREFILL_TOKENS, Engine, Limits, Output, QueueFull, Request, check_request
 
 START_TIMEOUT_S = 600.0  # loading a large checkpoint and capturing the CUDA graphs takes a while
-EXITED = "the engine process has exited: see the server's log"
+# The engine process sends a message at least this often, so that silence means a hang.
+HEARTBEAT_S = 1.0
+# Silence from the engine for this long is a hang: an engine step takes milliseconds on a GPU, and a
+# long prompt on a CPU some seconds. vLLM's engine iteration timeout is the same.
+ANSWER_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0  # for the engine process to end after "stop"; then it is killed
+STDERR_TAIL_BYTES = 8192  # of the engine's stderr, kept to say why it died
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+class EngineDead(RuntimeError):
+    """The engine process has ended: its message says how (exit status or signal, last stderr line)."""
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """How the engine process builds its model and engine (picklable: it crosses the process boundary).
     n_blocks None: on CUDA 80% of the free memory, capped at what max_batch full-context sequences
-    use; on the CPU the engine's default."""
+    use; on the CPU the engine's default. threads None: see engine_threads."""
 
     model: Path
     dtype: torch.dtype
@@ -56,6 +78,7 @@ class EngineSpec:
     max_waiting: int = 256
     cuda_graph: bool | None = None
     prefill_tokens: int = PREFILL_TOKENS
+    threads: int | None = None
 
 
 def default_blocks(model, device: torch.device, max_batch: int, block_size: int) -> int | None:
@@ -70,15 +93,30 @@ def default_blocks(model, device: torch.device, max_batch: int, block_size: int)
     return max(1, min(by_memory, full))
 
 
+def engine_threads(threads: int | None, device: torch.device) -> int:
+    """The engine's intra-op threads: the caller's number, else one on CUDA (the host side of a GPU
+    engine is bookkeeping on small tensors) and on the CPU torch's default less one, at least one.
+    The server's process needs a core for its event loop: an operation split over every core waits
+    for the thread whose core the server holds, so one thread fewer is faster, not slower."""
+    if threads is not None:
+        return threads
+    if device.type == "cuda":
+        return 1
+    return max(1, torch.get_num_threads() - 1)
+
+
 def build_engine(spec: EngineSpec) -> Engine:
+    from tqdm import tqdm
+
     from .model import Qwen3ForCausalLM
     from .text import load_tokenizer
 
+    # tqdm's default lock (the loader makes a bar) is a named multiprocessing semaphore: left behind by
+    # a killed engine, the resource tracker it shares with the server reports it as leaked at the
+    # server's exit. The bars of one process need a thread lock only.
+    tqdm.set_lock(threading.RLock())
     device = torch.device(spec.device)
-    if device.type == "cuda":
-        # The host side of a GPU engine is bookkeeping on small tensors: one thread. Spare
-        # intra-op threads only spin after each op, on cores the server and its clients need.
-        torch.set_num_threads(1)
+    torch.set_num_threads(engine_threads(spec.threads, device))
     tokenizer = load_tokenizer(spec.model)
     model = Qwen3ForCausalLM.from_pretrained(spec.model, dtype=spec.dtype, device=device, norm_impl=spec.norm,
                                              progress=False)
@@ -93,9 +131,91 @@ def stats(engine: Engine) -> dict:
             "peak_running": engine.peak_running, "preemptions": engine.preemptions}
 
 
-def serve_engine(conn, spec: EngineSpec) -> None:
-    """The engine process: build the engine, then alternate between the pipe's messages and steps."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def take_over_stderr(stderr) -> None:
+    """Send this process's stderr (fd 2, C libraries' and Python's alike) into the pipe the server
+    reads, and dump the Python stacks there on a fatal signal (a crash in a kernel or a driver)."""
+    sys.stderr.flush()
+    os.dup2(stderr.fileno(), 2)
+    stderr.close()
+    faulthandler.enable()
+
+
+class EngineLoop:
+    """The engine process's side of the pipe: the server's messages in, each step's outputs out."""
+
+    def __init__(self, conn, engine: Engine):
+        self.conn, self.engine = conn, engine
+        self.outputs: list[tuple] = []
+        self.seq_ids: dict[int, int] = {}  # the server's id -> the engine's
+        self.last_sent = time.monotonic()
+
+    def collect(self, client_id: int) -> Callable[[Output], None]:
+        def on_output(out: Output) -> None:
+            # A flat tuple per output, built by hand: dataclasses.astuple deep-copies every field
+            self.outputs.append((client_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
+                                 out.completion_tokens))
+            if out.finish_reason is not None:
+                self.seq_ids.pop(client_id, None)
+        return on_output
+
+    def handle(self, message: tuple) -> bool:
+        """Apply one message from the server; False once it says stop."""
+        if message[0] == "add":
+            _, client_id, request = message
+            try:
+                self.seq_ids[client_id] = self.engine.add(request, self.collect(client_id)).id
+            except Exception:  # checked by the server first: a bug lands here, not a user's error
+                traceback.print_exc()
+                self.collect(client_id)(Output("", [], "error", len(request.prompt_ids), 0))
+        elif message[0] == "cancel":
+            if message[1] in self.seq_ids:
+                self.engine.cancel(self.seq_ids[message[1]])
+        elif message[0] == "stats":
+            self.send(("stats", message[1], stats(self.engine)))
+        else:  # stop
+            return False
+        return True
+
+    def send(self, message: tuple) -> None:
+        self.conn.send(message)
+        self.last_sent = time.monotonic()
+
+    def step(self) -> None:
+        """One engine step if there is work; its outputs, or a heartbeat once HEARTBEAT_S has passed unheard."""
+        if self.engine.has_work():
+            try:
+                self.engine.step()
+            except Exception:  # a bug must not hang every client: end what was in flight, keep serving
+                traceback.print_exc()
+                self.engine.abort_all()
+        if self.outputs:
+            outputs, self.outputs = self.outputs, []
+            self.send(("outputs", outputs))
+        elif time.monotonic() - self.last_sent >= HEARTBEAT_S:
+            self.send(("alive",))
+
+    def run(self) -> None:
+        """Alternate between the pipe's messages and steps until "stop" or a closed pipe."""
+        with torch.inference_mode():
+            try:
+                while True:
+                    # Idle: wait for a message (a heartbeat's time at most); busy: take what is there and step.
+                    waiting_s = 0 if self.engine.has_work() else HEARTBEAT_S
+                    while self.conn.poll(waiting_s):
+                        waiting_s = 0
+                        if not self.handle(self.conn.recv()):
+                            return
+                    self.step()
+            except (EOFError, OSError):  # the server is gone
+                return
+
+
+def serve_engine(conn, stderr, spec: EngineSpec) -> None:
+    """The engine process: build the engine, then serve the pipe's messages (EngineLoop)."""
+    for sig in STOP_SIGNALS:  # the server stops this process, not the terminal
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server while it started us
+    take_over_stderr(stderr)
     try:
         engine = build_engine(spec)
     except (OSError, ValueError, KeyError) as err:  # a bad checkpoint: the loader's message says which
@@ -104,80 +224,79 @@ def serve_engine(conn, spec: EngineSpec) -> None:
     except Exception as err:  # out of memory, a driver error...: one line still, with the error's kind
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
-    conn.send(("ready", {"limits": engine.limits, "generation_config": getattr(engine.model, "generation_config",
-                                                                                   {}) or {}}))
-    outputs: list[tuple] = []
-    seq_ids: dict[int, int] = {}  # the server's id -> the engine's
+    try:
+        conn.send(("ready", {"limits": engine.limits,
+                             "generation_config": getattr(engine.model, "generation_config", {}) or {}}))
+    except OSError:  # the server went away while the model loaded
+        return
+    EngineLoop(conn, engine).run()
 
-    def collect(client_id: int) -> Callable[[Output], None]:
-        def on_output(out: Output) -> None:
-            # A flat tuple per output, built by hand: dataclasses.astuple deep-copies every field
-            outputs.append((client_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
-                            out.completion_tokens))
-            if out.finish_reason is not None:
-                seq_ids.pop(client_id, None)
-        return on_output
 
-    with torch.inference_mode():
-        while True:
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, from multiprocessing's exitcode (-N: killed by signal N)."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+class StderrTail:
+    """The engine process's stderr: each chunk copied to this process's stderr as it comes, the
+    last STDERR_TAIL_BYTES kept so that a death can be explained by what the engine wrote last."""
+
+    def __init__(self, conn):
+        self._conn = conn  # the read end; kept open while the thread reads its fd
+        self._tail = b""
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="qwen3-engine-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        fd = self._conn.fileno()
+        while chunk := os.read(fd, 65536):
             try:
-                # Idle: wait for a message (a second at a time); busy: take what is there and step.
-                waiting_s = 0 if engine.has_work() else 1.0
-                while conn.poll(waiting_s):
-                    waiting_s = 0
-                    message = conn.recv()
-                    if message[0] == "add":
-                        _, client_id, request = message
-                        try:
-                            seq_ids[client_id] = engine.add(request, collect(client_id)).id
-                        except Exception:  # checked by the server first: a bug lands here, not a user's error
-                            traceback.print_exc()
-                            collect(client_id)(Output("", [], "error", len(request.prompt_ids), 0))
-                    elif message[0] == "cancel":
-                        if message[1] in seq_ids:
-                            engine.cancel(seq_ids[message[1]])
-                    elif message[0] == "stats":
-                        conn.send(("stats", message[1], stats(engine)))
-                    else:  # stop
-                        return
-            except (EOFError, OSError):  # the server is gone
-                return
-            if engine.has_work():
-                try:
-                    engine.step()
-                except Exception:  # a bug must not hang every client: end what was in flight, keep serving
-                    traceback.print_exc()
-                    engine.abort_all()
-            if outputs:
-                conn.send(("outputs", outputs))
-                outputs = []
+                view = memoryview(chunk)
+                while view:  # a pipe may take part of a write
+                    view = view[os.write(2, view):]
+            except OSError:  # our own stderr is gone: keep reading, so the engine never blocks on it
+                pass
+            with self._lock:
+                self._tail = (self._tail + chunk)[-STDERR_TAIL_BYTES:]
+
+    def forget(self) -> None:
+        """Drop what was written so far (the model's loading): a later death is explained by later lines."""
+        with self._lock:
+            self._tail = b""
+
+    def last_line(self, wait_s: float = 1.0) -> str:
+        """The line that tells most about a death: Python's "Fatal Python error: ..." line after a
+        crash, else the last non-empty line (an exception's type and message). Waits up to wait_s
+        for the pipe's end, so that the last bytes the engine wrote are in."""
+        self._thread.join(wait_s)
+        with self._lock:
+            lines = [line.strip() for line in self._tail.decode(errors="replace").splitlines() if line.strip()]
+        fatal = [line for line in lines if line.startswith("Fatal Python error:")]
+        return (fatal or lines or [""])[-1]
 
 
 class EngineProcess:
-    """The server's handle on the engine process; the calls of Engine that a server needs."""
+    """The server's handle on the engine process; the calls of Engine that a server needs.
 
-    def __init__(self, spec: EngineSpec):
+    The constructor starts the process and, unless wait=False, waits until it has loaded the model;
+    with wait=False the caller does other work meanwhile (serve.py loads its tokenizer) and then
+    calls wait_until_ready, after which limits and generation_config are there. Either way, an
+    exception (a Ctrl-C included) on the way kills the process."""
+
+    def __init__(self, spec: EngineSpec, answer_timeout_s: float = ANSWER_TIMEOUT_S, wait: bool = True):
         self.max_batch, self.max_waiting = spec.max_batch, spec.max_waiting
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=serve_engine, args=(child, spec), name="qwen3-engine", daemon=True)
-        self._process.start()
-        child.close()
-        if not self._conn.poll(START_TIMEOUT_S):
-            self._process.kill()
-            raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
-        try:
-            message = self._conn.recv()
-        except EOFError:
-            self._process.join()
-            raise RuntimeError(f"the engine process exited with code {self._process.exitcode}") from None
-        if message[0] == "error":
-            self._process.join()
-            raise ValueError(message[1])
-        info = message[1]
-        self.limits: Limits = info["limits"]
-        self.generation_config = info["generation_config"]
-        self.max_len = self.limits.max_len
+        self.answer_timeout_s = answer_timeout_s
+        self._stopping = False  # stop() or kill() asked for the end: not a death
+        self._hung = False  # the reader killed a silent engine
+        self.death: str | None = None  # once the process has ended: how, in one sentence
         self._callbacks: dict[int, Callable[[Output], None]] = {}
         self._ids = itertools.count()
         self._tokens = itertools.count()
@@ -185,29 +304,82 @@ class EngineProcess:
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer thread; None ends it
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
-        self._alive = True
+        self._on_death: Callable[[str], None] | None = None
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child = context.Pipe()
+        stderr_in, stderr_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=serve_engine, args=(child, stderr_out, spec), name="qwen3-engine",
+                                        daemon=True)
+        try:
+            # Blocked while the process starts: a signal handler raising in the middle of start()
+            # would cut the child's start-up data short (a traceback from the child). The child
+            # inherits the mask, so a Ctrl-C reaching it while it imports waits until it ignores it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                self._process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is raised here
+            child.close()
+            stderr_out.close()
+            self._stderr = StderrTail(stderr_in)
+        except BaseException:
+            self.kill()
+            raise
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Wait for the model to load. RuntimeError if the process dies or takes START_TIMEOUT_S,
+        ValueError with the load's error (a bad checkpoint); the process is killed then."""
+        try:
+            info = self._ready_info()
+        except BaseException:  # Ctrl-C while loading too: never leave the process behind
+            self.kill()
+            raise
+        self._stderr.forget()
+        self.limits: Limits = info["limits"]
+        self.generation_config = info["generation_config"]
+        self.max_len = self.limits.max_len
+
+    def _ready_info(self) -> dict:
+        if not self._conn.poll(START_TIMEOUT_S):
+            raise RuntimeError(f"the engine process did not start within {START_TIMEOUT_S:.0f} s")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=STOP_TIMEOUT_S)
+            raise RuntimeError(self._describe_death("while loading the model")) from None
+        if message[0] == "error":
+            self._process.join()
+            raise ValueError(message[1])
+        return message[1]
 
     @property
     def pid(self) -> int | None:
         """The engine process's id."""
         return self._process.pid
 
+    @property
+    def alive(self) -> bool:
+        return self.death is None
+
     def check(self, request: Request) -> None:
         check_request(request, self.limits)
 
     def submit(self, request: Request, on_output: Callable[[Output], None]) -> int:
-        """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
+        """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound,
+        EngineDead once the process has ended."""
         check_request(request, self.limits)
         if len(self._callbacks) >= self.max_batch + self.max_waiting:
             raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
                             "try again later")
         seq_id = next(self._ids)
         self._callbacks[seq_id] = on_output
-        # Checked after registering: the reader marks the engine dead before it ends the open
-        # requests, so a request registered too late for that sees the mark here.
-        if not self._alive:
+        # Checked after registering: the reader sets `death` before it ends the open requests, so a
+        # request registered too late for that sees it here.
+        if self.death is not None:
             self._callbacks.pop(seq_id, None)
-            raise RuntimeError(EXITED)
+            raise EngineDead(self.death)
         self._send(("add", seq_id, request))
         return seq_id
 
@@ -216,37 +388,52 @@ class EngineProcess:
         self._send(("cancel", seq_id))
 
     async def stats(self, timeout_s: float = 10.0) -> dict:
-        """The engine's numbers now: free and total blocks, running and waiting sequences."""
+        """The engine's numbers now: free and total blocks, running and waiting sequences.
+        EngineDead once the process has ended; TimeoutError if it does not answer in timeout_s."""
         loop = asyncio.get_running_loop()
         token = next(self._tokens)
         future = loop.create_future()
         self._stats[token] = (loop, future)
         try:
-            if not self._alive:
-                raise RuntimeError(EXITED)
+            if self.death is not None:
+                raise EngineDead(self.death)
             self._send(("stats", token))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._stats.pop(token, None)
 
-    def start(self) -> None:
-        """Start the threads that send to the engine and receive its outputs."""
+    def start(self, on_death: Callable[[str], None] | None = None) -> None:
+        """Start the threads that send to the engine and receive its outputs. on_death(reason) is
+        called on the receiving thread if the process ends unasked, after the open requests have
+        been ended."""
+        self._on_death = on_death
         self._reader = threading.Thread(target=self._receive, name="qwen3-engine-outputs", daemon=True)
         self._writer = threading.Thread(target=self._write, name="qwen3-engine-requests", daemon=True)
         self._reader.start()
         self._writer.start()
 
     def stop(self) -> None:
+        """Ask the engine process to end, and wait for it (killed after STOP_TIMEOUT_S)."""
+        self._stopping = True
         self._send(("stop",))
         self._outgoing.put(None)
         if self._writer is None:  # never started: nothing sends the stop
             self._conn.send(("stop",))
-        self._process.join(timeout=30)
+        self._process.join(timeout=STOP_TIMEOUT_S)
         if self._process.is_alive():
             self._process.kill()
         for thread in (self._writer, self._reader):
             if thread is not None:
                 thread.join(timeout=5)
+
+    def kill(self) -> None:
+        """End the engine process at once (the server is exiting without a graceful stop)."""
+        self._stopping = True
+        if self._process.pid is None:  # never started
+            return
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join(timeout=5)
 
     def _send(self, message: tuple) -> None:
         self._outgoing.put(message)
@@ -260,30 +447,59 @@ class EngineProcess:
                 return
 
     def _receive(self) -> None:
-        """The reader thread: hand each output to its request's callback, each stats reply to its waiter."""
+        """The reader thread: hand each output to its request's callback, each stats reply to its
+        waiter; once the process ends (or is silent for answer_timeout_s: it is then killed), end
+        every open request."""
         while True:
             try:
+                if not self._conn.poll(self.answer_timeout_s):
+                    self._hung = True
+                    self._process.kill()
+                    break
                 message = self._conn.recv()
             except (EOFError, OSError):  # the engine process ended: nothing more will come
                 break
             if message[0] == "outputs":
-                for client_id, *fields in message[1]:
-                    out = Output(*fields)
-                    callback = self._callbacks.get(client_id)
-                    if out.finish_reason is not None:
-                        self._callbacks.pop(client_id, None)
-                    if callback is not None:
-                        self._deliver(callback, out)
+                self._hand_out(message[1])
             elif message[0] == "stats":
                 loop, future = self._stats.get(message[1], (None, None))
                 if future is not None:
                     self._resolve(loop, future, lambda f=future, r=message[2]: f.done() or f.set_result(r))
-        self._alive = False
+        self._ended()
+
+    def _hand_out(self, outputs: list[tuple]) -> None:
+        for client_id, *fields in outputs:
+            out = Output(*fields)
+            callback = self._callbacks.get(client_id)
+            if out.finish_reason is not None:
+                self._callbacks.pop(client_id, None)
+            if callback is not None:
+                self._deliver(callback, out)
+
+    def _describe_death(self, when: str = "") -> str:
+        """One sentence: how the engine process ended, and the last line it wrote to stderr."""
+        self._process.join(timeout=5)
+        if self._hung:
+            how = (f"stopped answering for {self.answer_timeout_s:g} s (an engine step that never ends, or a "
+                   "stopped process) and was killed")
+        else:
+            how = describe_exit(self._process.exitcode)
+        line = self._stderr.last_line()
+        return f"the engine process {how}{' ' + when if when else ''}" + (
+            f"; the last line of its stderr: {line}" if line else "")
+
+    def _ended(self) -> None:
+        """The process has ended: say how, end every open request and /health waiting, tell the server."""
+        asked = self._stopping and not self._hung
+        self.death = "the engine process was stopped (the server is shutting down)" if asked else \
+            self._describe_death()
         for client_id in list(self._callbacks):  # end every stream still open
             self._deliver(self._callbacks.pop(client_id, None), Output("", [], "error", 0, 0))
-        gone = RuntimeError(EXITED)
+        gone = EngineDead(self.death)
         for loop, future in list(self._stats.values()):  # and every /health waiting for an answer
             self._resolve(loop, future, lambda f=future: f.done() or f.set_exception(gone))
+        if not asked and self._on_death is not None:
+            self._on_death(self.death)
 
     @staticmethod
     def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, settle: Callable[[], object]) -> None:

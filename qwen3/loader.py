@@ -18,11 +18,13 @@ from tqdm import tqdm
 import ops
 
 from .config import Qwen3Config
+from .generation import sampling_params
 from .model import Qwen3ForCausalLM
 from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # safetensors' names of the dtypes a parameter may be stored in; the copy casts them to the model's.
 FLOAT_STORAGE = ("F32", "BF16", "F16", "F64")
@@ -91,6 +93,31 @@ def checkpoint_files(path: Path) -> dict[str, list[str]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
+def read_generation_config(path: Path) -> dict:
+    """The checkpoint's generation_config.json ({} without one), its values checked now, before
+    anything runs on them: a ValueError names the file and the key."""
+    file = Path(path) / GENERATION_CONFIG
+    if not file.exists():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, not {type(config).__name__}")
+    if not isinstance(config.get("do_sample", False), bool):
+        raise ValueError(f"{file}: do_sample must be true or false, got {config['do_sample']!r}")
+    eos = config.get("eos_token_id")
+    if eos is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                   for t in (eos if isinstance(eos, list) else [eos])):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    try:
+        sampling_params(config)  # names the parameter: "temperature must be >= 0 and finite ..., got -1"
+    except ValueError as err:
+        raise ValueError(f"{file}: {err}") from None
+    return config
+
+
 def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt", device="cpu")
@@ -136,6 +163,7 @@ def load_model(
     device = resolve_device(device)
     config = Qwen3Config.from_json(path, **({"norm_impl": norm_impl} if norm_impl else {}))
     dtype = resolve_dtype(dtype, device, config.dtype)
+    generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
     tp = None
     if tensor_parallel:  # refuses a missing process group and a model that does not split
@@ -199,9 +227,7 @@ def load_model(
                         raise RuntimeError(f"{key}: read {tuple(part.shape)}, expected {tuple(params[key].shape)}")
                     params[key].copy_(part)
                     bar.update(params[key].nbytes)
-    generation_config = path / "generation_config.json"
-    if generation_config.exists():
-        model.generation_config = json.loads(generation_config.read_text())
+    model.generation_config = generation_config
     if tp is not None:
         model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
         tp.use_symmetric_memory(dtype)

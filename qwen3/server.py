@@ -3,24 +3,40 @@
     POST /v1/completions        prompt (text or token ids) -> text
     POST /v1/chat/completions   messages, through the tokenizer's chat template -> an assistant turn
     GET  /v1/models             the one model served
-    GET  /health                status, and the KV cache's free blocks (back to full when idle)
+    GET  /health                status, and the KV cache's free blocks (back to full when idle);
+                                503 while shutting down or once the engine has died
 
 FastAPI on uvicorn: the ASGI stack vLLM and SGLang serve with, well kept and small. Streaming is
-Starlette's StreamingResponse (server-sent events), which cancels the stream's task when the
-client disconnects, so a dropped stream cancels its sequence and frees its blocks; the JSON
-bodies are parsed by hand and checked by pydantic, so every bad request gets OpenAI's error
-shape ({"error": {"message", "type", "param", "code"}}), never FastAPI's own 422; so do an unknown
-path (404) and a wrong method (405), which Starlette would answer with {"detail": ...}.
+server-sent events; the JSON bodies are parsed by hand and checked by pydantic (qwen3/protocol.py),
+so every bad request gets OpenAI's error shape ({"error": {"message", "type", "param", "code"}}),
+never FastAPI's own 422; so do an unknown path (404) and a wrong method (405), which Starlette
+would answer with {"detail": ...}.
 
 The engine runs in a process of its own and owns the model (qwen3/engine_process.py); a request
 hands it a callback, called on the thread that receives the engine's outputs, that appends each
 output to the request's Outputs, and the event loop is woken once per burst of outputs for every
-request with news (see Outbox), not once per token.
+request with news (see Outbox), not once per token; a request that is not streamed is woken once,
+by its last output.
+
+Faults, as a client sees them:
+- A client that leaves cancels its request within one engine step, and its blocks are freed:
+  Starlette ends a stream when its client disconnects; a request that is not streamed has a task
+  that awaits the ASGI disconnect message (no polling).
+- SIGINT or SIGTERM (HTTPServer): new connections are refused and new requests on open ones get
+  503; open requests have shutdown_timeout_s to finish, then end with an error their clients
+  read (a stream's last event, a 503); the engine process is stopped and the server exits 0. A
+  second signal exits at once (status 128 + the signal).
+- The engine process dies or hangs: open requests end with an error that says how it died, new
+  ones and /health get 503, and the server exits with status 1, so that its supervisor restarts
+  it. Not the engine alone: loading the model again takes as long as restarting the server, the
+  GPU may be in a bad state only a new process clears, and a crash that repeats should show as
+  the server's own failure, with the supervisor's backoff and log, not as a server that
+  restarts its engine in a loop while /health says ok.
+- 429 past the queue bound (--max-waiting), with Retry-After.
 
 Choices made here:
 - A chat request to a model whose tokenizer has no chat template (the shipped base model) is
   refused with a 400 that points to /v1/completions; no plain-text fallback guesses a format.
-- n > 1, best_of, logprobs and echo are refused with a 400 (one choice per request).
 - A stream sends a chunk per generated token while the server keeps up; when tokens arrive
   faster than the event loop sends chunks (many concurrent streams), one chunk carries every
   token that arrived since the last, so the loop's work per token falls as load rises. A chunk's
@@ -28,61 +44,60 @@ Choices made here:
 - Sampling parameters not given come from the checkpoint's generation_config.json, as in
   scripts/generate.py (so a greedy request equals `generate.py --temperature 0`); max_tokens
   defaults to 16 for completions (OpenAI's default) and to the rest of the context for chat.
-- More requests than the batch holds wait in the engine's queue; past its bound (--max-waiting)
-  a request gets 429.
 """
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
-from .engine_process import EngineProcess
+from .engine_process import EngineDead, EngineProcess
 from .generation import sampling_params
+from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 
 # The thread that receives the engine's outputs and the event loop share the GIL. The receiver
 # waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
 # Python's switch interval, 5 ms by default, which would hold a decode step's tokens back for
 # longer than the step took. While serving, the interval is 0.1 ms.
 GIL_SWITCH_INTERVAL_S = 1e-4
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
+RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves by whole requests, each a second or so
+HEALTH_TIMEOUT_S = 10.0  # /health's wait for the engine's numbers; longer is a 503
+# uvicorn's own bound on a graceful shutdown, past the server's: requests cut at the end of the
+# grace period still need a moment to send their last event.
+SHUTDOWN_MARGIN_S = 5.0
 
 
 class Outputs:
     """One request's outputs, appended on the thread that receives the engine's outputs, taken on
-    the event loop."""
+    the event loop. each=False (a request that is not streamed): the loop is woken by the last
+    output only, not by every step's."""
 
-    def __init__(self, outbox: "Outbox"):
-        self.outbox = outbox
+    def __init__(self, outbox: "Outbox", each: bool = True):
+        self.outbox, self.each = outbox, each
         self.items: deque[Output] = deque()
         self.ready = asyncio.Event()
+        self.done = False  # the last output has been taken
+        self.cut: OpenAIError | None = None  # why the server ended it (a shutdown): what its client gets
 
     def put(self, out: Output) -> None:  # the receiving thread
         self.items.append(out)
-        self.outbox.notify(self)
+        if self.each or out.finish_reason is not None:
+            self.outbox.notify(self)
 
     async def take(self) -> Output:
         """Every output that arrived since the last take, merged into one (waits for one)."""
@@ -95,6 +110,7 @@ class Outputs:
             last = self.items.popleft()
             text.append(last.text)
             tokens += last.token_ids
+        self.done = last.finish_reason is not None
         return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens)
 
 
@@ -123,81 +139,83 @@ class Outbox:
             outputs.ready.set()
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class EventStream(StreamingResponse):
+    """Server-sent events whose on_close runs however the response ends: also when the client leaves
+    before the first event, when the events' generator has not started and its own finally would
+    never run."""
+
+    def __init__(self, events, on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
-class SamplingFields(BaseModel):
-    """The fields both endpoints share. Unknown fields are ignored, as OpenAI's API does for
-    fields it does not use; known fields of the wrong type are a 400."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
-    best_of: int | None = None
-    logprobs: Any = None
-    echo: bool = False
-    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-
-
-class ChatRequest(SamplingFields):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-def parse(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise OpenAIError(400, f"Malformed JSON in the request body: {err}") from err
-    if not isinstance(data, dict):
-        raise OpenAIError(400, "The request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise OpenAIError(400, f"Invalid value for '{param}': {first['msg']} (got {first.get('input')!r})",
-                          param=param) from err
+def engine_dead(reason: str) -> OpenAIError:
+    """What a request gets once the engine process has died: how it died."""
+    return OpenAIError(503, reason[:1].upper() + reason[1:], type_="server_error", code="engine_dead")
 
 
 class Server:
-    """The routes' shared state: the engine, the tokenizer and what the model is called."""
+    """The routes' shared state: the engine, the tokenizer, what the model is called, and the open
+    requests (to end them at a shutdown)."""
 
     def __init__(self, engine: EngineProcess, tokenizer, model_name: str):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
-        self.outbox: Outbox | None = None  # made on the event loop's first request
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.outbox: Outbox | None = None
+        self.open: dict[int, Outputs] = {}  # by the engine's id
+        self.idle = asyncio.Event()  # set while nothing is open
+        self.idle.set()
+        self.refusal: OpenAIError | None = None  # what every new request gets (shutting down, engine dead)
+        self.on_fatal: Callable[[str], None] | None = None  # called on the loop when the engine dies
+        self._drain: asyncio.Task | None = None
+
+    # ---- the lifecycle -------------------------------------------------------------------------
+
+    def begin(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop, at start-up: the outbox, and the engine's threads."""
+        self.loop, self.outbox = loop, Outbox(loop)
+        self.engine.start(on_death=lambda reason: loop.call_soon_threadsafe(self.engine_died, reason))
+
+    def engine_died(self, reason: str) -> None:  # the loop
+        self.refusal = engine_dead(reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    def drain_soon(self, grace_s: float) -> None:
+        """From a signal handler: refuse new requests, give the open ones grace_s, then cut them."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._start_drain, grace_s)
+
+    def _start_drain(self, grace_s: float) -> None:  # the loop
+        if self.refusal is None:
+            self.refusal = OpenAIError(503, "The server is shutting down: it takes no new requests",
+                                       type_="server_error", code="server_shutting_down")
+        self._drain = asyncio.ensure_future(self.drain(grace_s))
+
+    async def drain(self, grace_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            cut = OpenAIError(503, f"The server shut down before this request finished (open requests get "
+                                   f"{grace_s:g} s: --shutdown-timeout)", type_="server_error", code="server_shutdown")
+            for seq_id, outputs in list(self.open.items()):
+                outputs.cut = cut
+                self.engine.cancel(seq_id)
+
+    # ---- a request -----------------------------------------------------------------------------
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -206,20 +224,13 @@ class Server:
 
     def engine_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
                        default_max_tokens: int) -> EngineRequest:
-        if req.n != 1 or (req.best_of or 1) != 1:
-            raise OpenAIError(400, f"Only n=1 is supported, got n={req.n}", param="n")
-        if req.logprobs not in (None, False) or req.echo:
-            raise OpenAIError(400, "logprobs and echo are not supported", param="logprobs" if req.logprobs else "echo")
-        if req.frequency_penalty not in (None, 0.0):
-            raise OpenAIError(400, "frequency_penalty is not supported; use presence_penalty or repetition_penalty",
-                              param="frequency_penalty")
         try:
             params = sampling_params(
                 self.generation_config, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                 min_p=req.min_p, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
             )
         except ValueError as err:
-            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from err
+            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from None
         if max_tokens is None:
             max_tokens = default_max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -228,7 +239,7 @@ class Server:
         try:
             self.engine.check(request)
         except ValueError as err:  # ParameterError names the field
-            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from err
+            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from None
         return request
 
     def completion_prompt(self, req: CompletionRequest) -> list[int]:
@@ -254,54 +265,87 @@ class Server:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                       **(req.chat_template_kwargs or {}))
         except Exception as err:  # a template's own error (jinja raises its own types)
-            raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from err
+            raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def run(self, http: Request, request: EngineRequest, chat: bool, stream: bool, include_usage: bool):
-        if self.outbox is None or self.outbox.loop is not asyncio.get_running_loop():
-            self.outbox = Outbox(asyncio.get_running_loop())
-        outputs = Outputs(self.outbox)
+    def submit(self, request: EngineRequest, outputs: Outputs) -> int:
+        """The request handed to the engine, open until close(); 429 past the queue bound, 503 once
+        the server stops taking requests."""
+        if self.refusal is not None:
+            raise self.refusal
         try:
             seq_id = self.engine.submit(request, outputs.put)
         except QueueFull as err:
-            raise OpenAIError(429, str(err), type_="rate_limit_error", code="queue_full") from err
+            raise OpenAIError(429, str(err), type_="rate_limit_error", code="queue_full",
+                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDead as err:
+            raise engine_dead(str(err)) from None
+        self.open[seq_id] = outputs
+        self.idle.clear()
+        return seq_id
+
+    def close(self, seq_id: int) -> None:
+        """The request's response has ended: cancel its sequence unless it finished."""
+        outputs = self.open.pop(seq_id, None)
+        if outputs is not None and not outputs.done:
+            self.engine.cancel(seq_id)
+        if not self.open:
+            self.idle.set()
+
+    def failure(self, outputs: Outputs, out: Output) -> OpenAIError | None:
+        """The error a request's last output stands for, if any: a shutdown's cut, the engine's death
+        or failure."""
+        if out.finish_reason == "cancelled":
+            return outputs.cut
+        if out.finish_reason != "error":
+            return None
+        if self.engine.death is not None:
+            return engine_dead(self.engine.death)
+        return OpenAIError(500, "The engine failed while generating this request (the server's log says why)",
+                           type_="server_error")
+
+    async def run(self, http: Request, request: EngineRequest, chat: bool, stream: bool, include_usage: bool):
+        outputs = Outputs(self.outbox, each=stream)
+        seq_id = self.submit(request, outputs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if stream:
-            return StreamingResponse(self.sse(outputs, seq_id, rid, chat, include_usage),
-                                     media_type="text/event-stream")
-        finished = False
+            return EventStream(self.sse(outputs, rid, chat, include_usage), on_close=lambda: self.close(seq_id))
+        watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, seq_id))
         try:
-            text, out = "", None
-            while out is None or out.finish_reason is None:
-                try:
-                    out = await asyncio.wait_for(outputs.take(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():  # nobody left to answer
-                        return JSONResponse({}, status_code=499)
-                    continue
-                text += out.text
-            finished = True
+            out = await outputs.take()  # the last output, with every one before it: a single wake-up
         finally:
-            if not finished:  # the client went away (or the handler was cancelled)
-                self.engine.cancel(seq_id)
-        usage = self.usage(out)
+            watcher.cancel()
+            self.close(seq_id)
+        if (error := self.failure(outputs, out)) is not None:
+            raise error
+        if out.finish_reason == "cancelled":  # its client has left: nobody reads this
+            return JSONResponse({}, status_code=499)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
                       "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                             "usage": usage})
+                             "usage": self.usage(out)})
+
+    async def cancel_on_disconnect(self, http: Request, seq_id: int) -> None:
+        """Once the client has gone (the ASGI http.disconnect message, which the server sends when the
+        connection closes), cancel its sequence: the engine frees its blocks at its next step."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        self.engine.cancel(seq_id)
 
     @staticmethod
     def usage(out: Output) -> dict:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def sse(self, outputs: Outputs, seq_id: int, rid: str, chat: bool, include_usage: bool):
-        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. If the client
-        goes away, Starlette cancels this generator at its await: the finally cancels the sequence."""
+    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool):
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request the
+        server ends (a shutdown, the engine's death) ends with an event {"error": {...}}, which the
+        openai client raises as an APIError. If the client goes away, Starlette cancels this
+        generator at its await, and EventStream's on_close cancels the sequence."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -315,28 +359,29 @@ class Server:
                     "choices": [] if usage else choices}
             if usage:
                 body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
+            return event(body)
 
-        finished = False
-        try:
-            if chat:
-                yield chunk(None, None, role=True)
-            while True:
-                out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
-                yield chunk(out.text, out.finish_reason)
-                if out.finish_reason:
-                    finished = True
-                    break
-            if include_usage:
-                yield chunk(None, None, usage=self.usage(out))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:
-                self.engine.cancel(seq_id)
+        if chat:
+            yield chunk(None, None, role=True)
+        while True:
+            out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
+            if (error := self.failure(outputs, out)) is not None:
+                if out.text:
+                    yield chunk(out.text, None)
+                yield event(error.body())
+                break
+            if out.finish_reason == "cancelled":  # its client has left
+                return
+            yield chunk(out.text, out.finish_reason)
+            if out.finish_reason:
+                if include_usage:
+                    yield chunk(None, None, usage=self.usage(out))
+                break
+        yield "data: [DONE]\n\n"
 
 
 def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
-    """The app; its lifespan starts the engine's output receiver and stops the engine."""
+    """The app; its lifespan starts the engine's threads and stops the engine."""
     server = Server(engine, tokenizer, model_name)
 
     @asynccontextmanager
@@ -344,7 +389,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
         interval = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
-            engine.start()
+            server.begin(asyncio.get_running_loop())
             yield
         finally:
             engine.stop()
@@ -369,9 +414,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
             message = f"Invalid method ({asked}): {request.url.path} takes {(err.headers or {}).get('Allow')}"
         else:
             message = str(err.detail)
-        response = OpenAIError(err.status_code, message).response()
-        response.headers.update(err.headers or {})  # a 405's Allow
-        return response
+        return OpenAIError(err.status_code, message, headers=err.headers).response()  # a 405's Allow
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
@@ -379,7 +422,15 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        stats = await engine.stats()  # free_blocks, total_blocks, block_size, running, waiting, ...
+        if server.refusal is not None:
+            return server.refusal.response()
+        try:
+            stats = await engine.stats(HEALTH_TIMEOUT_S)  # free_blocks, total_blocks, block_size, running, ...
+        except EngineDead as err:
+            return engine_dead(str(err)).response()
+        except asyncio.TimeoutError:
+            return OpenAIError(503, f"The engine did not answer within {HEALTH_TIMEOUT_S:g} s (a long step, or "
+                                    "hung)", type_="server_error", code="engine_busy").response()
         return {"status": "ok", **stats, "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}
 
     @app.get("/v1/models")
@@ -408,3 +459,39 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
         return await server.run(request, engine_request, chat=True, stream=req.stream, include_usage=include_usage)
 
     return app
+
+
+class HTTPServer(uvicorn.Server):
+    """uvicorn's server with this server's ends (see the module docstring): signals drain it, a dead
+    engine ends it. `say` prints one line for the user; after run(), `status` is the exit status
+    and `death` how the engine died, if it did."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout_s: float, say: Callable[[str], None]):
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_MARGIN_S))
+        self.state: Server = app.state.server
+        self.state.on_fatal = self.engine_died
+        self.shutdown_timeout_s, self.say = shutdown_timeout_s, say
+        self.stopping = False
+        self.status = 0
+        self.death: str | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """uvicorn's signal handler (SIGINT, SIGTERM), in place of its own: the first drains, the
+        second exits at once. uvicorn's would also raise the signal again once it has stopped, and
+        a second Ctrl-C would end the process in tracebacks."""
+        name, n = signal.Signals(sig).name, len(self.state.open)
+        requests = f"{n} open request{'s' if n != 1 else ''}"
+        if self.stopping:
+            self.say(f"second {name}: stopped at once, {requests} cut off")
+            self.state.engine.kill()
+            os._exit(128 + sig)
+        self.stopping = True
+        self.say(f"{name}: shutting down; {requests} {'gets' if n == 1 else 'get'} up to {self.shutdown_timeout_s:g} s "
+                 f"to finish (a second {name} stops at once)")
+        self.should_exit = True
+        self.state.drain_soon(self.shutdown_timeout_s)
+
+    def engine_died(self, reason: str) -> None:  # the loop
+        self.status, self.death = 1, reason
+        self.should_exit = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,12 +20,38 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-    except Exception as err:  # transformers reads config.json too, and raises many kinds of errors
-        raise ValueError(f"transformers cannot load the tokenizer (it reads config.json too): {err}") from err
+    except Exception as err:  # transformers raises many kinds of errors, most of them not naming the file
+        raise ValueError(broken_tokenizer_file(path) or f"transformers cannot load the tokenizer in {path}: "
+                                                        f"{err}") from None
     # The model checks a prompt against its context when it runs, naming the numbers; the
     # tokenizer's own warning for text longer than that would only print a second message.
     tokenizer.model_max_length = int(1e30)
     return tokenizer
+
+
+# What transformers reads to build a tokenizer, in its order; each must be valid JSON.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                   "config.json")
+
+
+def broken_tokenizer_file(path: Path) -> str | None:
+    """Which of the tokenizer's files is broken, in a sentence naming it (None if none is): looked for
+    once transformers has failed, whose own message rarely names the file."""
+    from tokenizers import Tokenizer
+
+    for name in TOKENIZER_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return f"{file} is not valid JSON: {err}"
+    try:
+        Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as err:  # the tokenizers library's own error
+        return f"{path / 'tokenizer.json'} is not a tokenizer the tokenizers library can read: {err}"
+    return None
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat: bool = True, thinking: bool = True) -> list[int]:

@@ -7,15 +7,36 @@ on the CPU too. Then:
 
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fibonacci(n):", "max_tokens": 32, "temperature": 0}'
+
+Ctrl-C or SIGTERM stops it gracefully (open requests get --shutdown-timeout to finish) and it
+exits 0; a second signal stops it at once. If the engine process dies it exits with status 1.
 """
 
 import argparse
 import errno
+import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
-import torch
+
+def say(line: str) -> None:
+    """One line for the user on stderr; safe in a signal handler (one write, no buffer)."""
+    os.write(2, f"serve.py: {line}\n".encode())
+
+
+def stop_at_once(sig: int, frame) -> None:
+    """SIGINT or SIGTERM while the modules import (seconds, for torch): nothing to clean up yet."""
+    say(f"{signal.Signals(sig).name} while starting: stopped")
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop_at_once)
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
@@ -23,11 +44,12 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from ops import IMPLS  # noqa: E402
 from qwen3.config import Qwen3Config  # noqa: E402
 from qwen3.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
-from qwen3.engine_process import EngineProcess, EngineSpec  # noqa: E402
-from qwen3.loader import DTYPES, resolve_device, resolve_dtype  # noqa: E402
+from qwen3.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec  # noqa: E402
+from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype  # noqa: E402
 from qwen3.text import load_tokenizer  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
+SHUTDOWN_TIMEOUT_S = 30.0  # systemd's and Kubernetes' own waits before a SIGKILL are 90 and 30 s
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,11 +84,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="replay decode steps from CUDA graphs, one per batch-size bucket, and a step's prompts, "
                         f"packed, up to {PREFILL_GRAPH_TOKENS} tokens, from one per token-count bucket "
                         "(default: on CUDA)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the engine's arithmetic (default: 1 on CUDA; on the CPU torch's, one per "
+                        "core, less one for the HTTP server's process)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S, metavar="S",
+                   help="on SIGINT or SIGTERM, seconds open requests get to finish before they end with an error "
+                        f"(default: {SHUTDOWN_TIMEOUT_S:g})")
+    p.add_argument("--engine-timeout", type=float, default=ANSWER_TIMEOUT_S, metavar="S",
+                   help="an engine process silent this long (one step that never ends) is taken as hung: it is "
+                        f"killed and the server exits with status 1 (default: {ANSWER_TIMEOUT_S:g})")
     args = p.parse_args(argv)
     if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
     if args.num_blocks is not None and args.num_blocks < 1:
         p.error(f"--num-blocks must be >= 1, got {args.num_blocks}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if not args.shutdown_timeout >= 0:
+        p.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout:g}")
+    if not args.engine_timeout > 2 * HEARTBEAT_S:  # the engine's heartbeat must fit in it
+        p.error(f"--engine-timeout must be > {2 * HEARTBEAT_S:g} s, got {args.engine_timeout:g}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     return args
@@ -88,47 +125,103 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    import uvicorn
+class Stop(BaseException):
+    """SIGINT or SIGTERM once the modules are in, before the HTTP server has taken the signals over
+    (while the model loads): raised, so that the engine process is ended on the way out.
+    A BaseException, like KeyboardInterrupt: no `except Exception` on the way turns it into an error."""
 
-    from qwen3.server import create_app
+    def __init__(self, sig: int):
+        super().__init__(signal.Signals(sig).name)
 
+
+def stop(sig: int, frame) -> None:
+    raise Stop(sig)
+
+
+def fail(message: str):
+    sys.exit(f"serve.py: error: {message}")
+
+
+def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """What serve.py checks before it starts anything: the device, the checkpoint's config.json and
+    generation_config.json; each mistake is one line that names the file and the key (SystemExit).
+    The tokenizer is checked as it loads (tokenizer_of), the weights in the engine process."""
     try:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
-        sys.exit(f"serve.py: error: --device: {err}")
+        fail(f"--device: {err}")
     if not args.model.is_dir():
-        sys.exit(f"serve.py: error: no model directory at {args.model}")
+        fail(f"no model directory at {args.model}")
     try:
         dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.model).dtype)
+        read_generation_config(args.model)
     except (OSError, ValueError) as err:
-        sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
+        fail(f"cannot load {args.model}: {err}")
+    return device, dtype
+
+
+def tokenizer_of(args: argparse.Namespace):
+    """The checkpoint's tokenizer, or the exit with one line that names its broken file."""
+    try:
+        return load_tokenizer(args.model)
+    except (OSError, ValueError) as err:
+        fail(f"cannot load {args.model}: {err}")
+
+
+def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> EngineProcess:
+    """The engine process, started: it loads the model while serve.py loads its tokenizer."""
     spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
                       block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
-                      cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens)
-    sock = bind(args.host, args.port)
+                      cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens, threads=args.threads)
     try:
-        tokenizer = load_tokenizer(args.model)
-        engine = EngineProcess(spec)  # the model is loaded in the engine's process, not here
+        return EngineProcess(spec, answer_timeout_s=args.engine_timeout, wait=False)
+    except OSError as err:
+        fail(f"cannot start the engine process: {err}")
+
+
+def wait_for_engine(engine: EngineProcess, model: Path) -> None:
+    """Until the engine has loaded the model, or the exit with one line that says why it could not."""
+    try:
+        engine.wait_until_ready()
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        sys.exit(f"serve.py: error: cannot load {args.model}: {err}")
-    name = args.served_model_name or args.model.resolve().name
-    limits = engine.limits
-    port = sock.getsockname()[1]  # --port 0: the one the system chose
-    url = f"http://[{args.host}]:{port}" if ":" in args.host else f"http://{args.host}:{port}"
-    print(f"serving {name} at {url} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV "
-          f"blocks of {limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
-          file=sys.stderr, flush=True)
-    # uvicorn listens on the socket bound above (uvicorn.run would bind its own).
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, name), host=args.host, port=port,
-                                           log_level="warning"))
+        fail(f"cannot load {model}: {err}")
+
+
+def serve(args: argparse.Namespace) -> None:
+    device, dtype = check_model(args)
+    sock = bind(args.host, args.port)
+    engine = start_engine(args, device, dtype)
     try:
+        from qwen3.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
+
+        tokenizer = tokenizer_of(args)
+        wait_for_engine(engine, args.model)
+        name = args.served_model_name or args.model.resolve().name
+        limits = engine.limits
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        url = f"http://[{args.host}]:{port}" if ":" in args.host else f"http://{args.host}:{port}"
+        print(f"serving {name} at {url} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV "
+              f"blocks of {limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
+              file=sys.stderr, flush=True)
+        # uvicorn listens on the socket bound above (uvicorn.run would bind its own).
+        server = HTTPServer(create_app(engine, tokenizer, name), args.host, port, args.shutdown_timeout, say)
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # as uvicorn.run: Ctrl-C before the server has taken over the signal
-        pass
+    finally:
+        engine.kill()  # already stopped by the app, unless it never started or a signal came first
     if not server.started:  # the app's startup failed; uvicorn has logged why
         sys.exit(1)
+    if server.death is not None:
+        fail(f"{server.death}; the server exits so that its supervisor can restart it")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    try:
+        serve(args)
+    except Stop as signalled:
+        say(f"{signalled} while starting: stopped")
 
 
 if __name__ == "__main__":

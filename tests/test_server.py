@@ -1,80 +1,40 @@
-"""The HTTP server end to end: scripts/serve.py started on 127.0.0.1 (a free port, the shipped
-model, the CPU) and talked to with the official `openai` client, as a user would.
+"""The HTTP server end to end: scripts/serve.py started on 127.0.0.1 (the shipped weights, with a
+chat template added, on the CPU) and talked to with the official `openai` client, as a user would;
+its answers compared with the model's own greedy generation (model.generate on the same
+checkpoint, decoded by the same tokenizer). Faults (clients that leave, signals, a dead engine,
+damaged checkpoints, unsupported fields) are tests/test_server_faults.py's.
 
 Every wait is bounded: the server must answer /health within SERVER_START_S, and each request
 has a client timeout."""
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from checkpoints import CHAT_TEMPLATE
+from servers import (
+    NAME,
+    REQUEST_TIMEOUT_S,
+    SHIPPED,
+    Reference,
+    error_of,
+    health,
+    load_serve_py,
+    serving,
+    wait_until_idle,
+)
 
-from qwen3.text import load_tokenizer
+from qwen3.text import load_tokenizer, prompt_ids
 
-ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ROOT / "weights" / "qwen3-stdlib-tiny"
-NAME = "qwen3-stdlib-tiny"
-SERVER_START_S = 180  # loading torch + transformers on a busy 2-core machine
-REQUEST_TIMEOUT_S = 120
-# One OpenMP thread: the model is tiny, and spinning threads on shared cores only slow it down.
-ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
 MAX_BATCH, MAX_WAITING = 16, 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, log: Path, *args: str):
-    port = free_port()
-    cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu", *args]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve.py exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"serve.py did not answer within {SERVER_START_S} s:\n{log.read_text()}")
-
-
-def stop_server(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc, url = start_server(SHIPPED, tmp_path_factory.mktemp("serve") / "server.log", "--max-batch", str(MAX_BATCH),
-                             "--max-waiting", str(MAX_WAITING))
-    yield url
-    stop_server(proc)
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> Path:
-    """The shipped model with a Qwen3-style chat template added to its tokenizer."""
+def chat_model(tmp_path_factory):
+    """The shipped model with a Qwen3-style chat template added to its tokenizer (the shipped model
+    is a base model: tests/test_server_faults.py's server shows how it refuses chat requests)."""
     path = tmp_path_factory.mktemp("chat-model")
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         (path / name).symlink_to(SHIPPED / name)
@@ -85,11 +45,16 @@ def chat_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def chat_server(chat_model, tmp_path_factory):
-    proc, url = start_server(chat_model, tmp_path_factory.mktemp("serve-chat") / "server.log", "--served-model-name",
-                             NAME)
-    yield url
-    stop_server(proc)
+def server(chat_model, tmp_path_factory):
+    """serve.py on the shipped weights, with the chat template, under the shipped model's name."""
+    with serving(chat_model, tmp_path_factory.mktemp("serve"), "--served-model-name", NAME, "--max-batch",
+                 str(MAX_BATCH), "--max-waiting", str(MAX_WAITING)) as served:
+        yield served.url
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return Reference(SHIPPED, load_tokenizer(SHIPPED))
 
 
 def client(url: str) -> openai.OpenAI:
@@ -100,33 +65,6 @@ def async_client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
-def health(url: str) -> dict:
-    return httpx.get(f"{url}/health", timeout=10).json()
-
-
-def wait_until_idle(url: str, timeout_s: float = 60) -> dict:
-    """/health once nothing runs or waits and every block is free again (or the last one seen)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        h = health(url)
-        idle = h["running"] == 0 and h["waiting"] == 0 and h["free_blocks"] == h["total_blocks"]
-        if idle or time.monotonic() > deadline:
-            return h
-        time.sleep(0.2)
-
-
-def generate_py(model_dir: Path, prompt: str, max_new_tokens: int, *flags: str) -> str:
-    """The text scripts/generate.py prints for this prompt, greedy (its trailing newline removed)."""
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "generate.py"), "--model", str(model_dir), "--prompt", prompt,
-         "--max-new-tokens", str(max_new_tokens), "--temperature", "0", "--device", "cpu", *flags],
-        capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S, env=ENV, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.endswith("\n")
-    return result.stdout[:-1]
-
-
 def test_models_and_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [NAME]
@@ -134,15 +72,15 @@ def test_models_and_health(server):
     assert h["status"] == "ok" and h["free_blocks"] == h["total_blocks"] > 0
 
 
-def test_greedy_completion_equals_generate_py_streaming_and_not(server):
+def test_greedy_completion_equals_the_models_own_streaming_and_not(server, reference):
     prompt, n = "def fibonacci(n):", 24
-    expected = generate_py(SHIPPED, prompt, n, "--no-chat")
+    ids = reference.ids(prompt)
+    expected = reference.text(ids, n)
     c = client(server)
     done = c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0)
     assert done.choices[0].text == expected
-    prompt_tokens = len(load_tokenizer(SHIPPED)(prompt, add_special_tokens=False)["input_ids"])
-    assert done.usage.prompt_tokens == prompt_tokens
-    assert done.usage.completion_tokens == n and done.usage.total_tokens == prompt_tokens + n
+    assert done.usage.prompt_tokens == len(ids)
+    assert done.usage.completion_tokens == n and done.usage.total_tokens == len(ids) + n
     assert done.choices[0].finish_reason == "length"
 
     chunks = list(c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True,
@@ -161,12 +99,13 @@ def test_raw_stream_is_openai_sse_ending_with_done(server):
     assert '"object": "text_completion"' in events[0]
 
 
-def test_chat_streaming_and_not_equal_generate_py(chat_server, chat_model):
+def test_chat_streaming_and_not_equal_the_models_own(server, chat_model):
     """Through the tokenizer's chat template, with enable_thinking off as vLLM takes it
-    (chat_template_kwargs): the text generate.py --chat --no-thinking prints."""
+    (chat_template_kwargs): the text the model generates for that prompt (generate.py --chat --no-thinking)."""
     prompt, n = "Write a loop", 16
-    expected = generate_py(chat_model, prompt, n, "--chat", "--no-thinking")
-    c = client(chat_server)
+    tokenizer = load_tokenizer(chat_model)
+    expected = Reference(chat_model, tokenizer).text(prompt_ids(tokenizer, prompt, chat=True, thinking=False), n)
+    c = client(server)
     messages = [{"role": "user", "content": prompt}]
     extra = {"chat_template_kwargs": {"enable_thinking": False}}
     done = c.chat.completions.create(model=NAME, messages=messages, max_tokens=n, temperature=0, extra_body=extra)
@@ -219,28 +158,33 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     assert len(pieces) == 3
 
 
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
-    return body["error"]
-
-
-def test_bad_requests_get_openai_errors(server):
+def test_bad_requests_get_openai_errors_naming_the_field(server):
     url = f"{server}/v1/completions"
     r = httpx.post(url, content=b'{"prompt": "x", ', headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "Malformed JSON" in error_of(r)["message"]
-    r = httpx.post(url, json={"prompt": "x", "temperature": "hot"}, timeout=30)
-    assert r.status_code == 400 and error_of(r)["param"] == "temperature"
-    r = httpx.post(url, json={"prompt": 42}, timeout=30)
-    assert r.status_code == 400 and error_of(r)["param"].startswith("prompt")
     r = httpx.post(url, json=["not", "an", "object"], timeout=30)
     assert r.status_code == 400 and "JSON object" in error_of(r)["message"]
-    # each refusal names the field it is about
-    for body, param in (({"prompt": "x", "seed": -1}, "seed"), ({"prompt": ""}, "prompt"),
-                        ({"prompt": [99999]}, "prompt"), ({"prompt": "x", "temperature": -1}, "temperature"),
-                        ({"prompt": "x", "top_p": 2}, "top_p")):
+    # each refusal names the field it is about, as the API names it (no pydantic union tags)
+    for body, param, says in (
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "Invalid value for 'temperature'"),
+        ({"prompt": 42}, "prompt", "Invalid type for 'prompt': expected a string, a list of strings"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens", "valid integer (got true)"),  # not taken as 1
+        ({"prompt": "x", "max_tokens": 2.0}, "max_tokens", "valid integer"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
+        ({"max_tokens": 3}, "prompt", "Missing required parameter: 'prompt'"),
+        ({"prompt": "x", "temprature": 0}, "temprature", "Unrecognized request argument supplied: temprature"),
+        ({"prompt": "x", "seed": -1}, "seed", "seed must be"),
+        ({"prompt": ""}, "prompt", "the prompt is empty"),
+        ({"prompt": [99999]}, "prompt", "prompt token ids must be"),
+        ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
+        ({"prompt": "x", "top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+        ({"prompt": ["a", "b"]}, "prompt", "One prompt per request, got 2"),
+    ):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
+        assert says in error_of(r)["message"], (body, r.text)
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}, timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "messages[0].content", r.text
 
     c = client(server)
     with pytest.raises(openai.BadRequestError) as err:  # prompt + max_tokens over the context
@@ -251,12 +195,10 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.NotFoundError) as err:
         c.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     assert err.value.status_code == 404 and "gpt-5" in str(err.value)
-    with pytest.raises(openai.BadRequestError, match="Only n=1"):
+    with pytest.raises(openai.BadRequestError, match="'n' is not supported by this server: one choice per request"):
         c.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="has no chat template"):
-        c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens >= 1
 
 
@@ -274,9 +216,9 @@ def test_an_unknown_path_or_method_gets_an_openai_error(server):
         client(server).embeddings.create(model=NAME, input="x")
 
 
-def test_past_the_queue_bound_requests_get_429_and_the_rest_are_served(server):
-    """MAX_BATCH run, MAX_WAITING wait, the rest are refused with 429; closing every stream
-    cancels the accepted ones (waiting ones included) and the cache comes back full."""
+def test_past_the_queue_bound_requests_get_429_and_closing_the_rest_cancels_them(server):
+    """MAX_BATCH run, MAX_WAITING wait, the rest are refused with 429 and Retry-After; closing every
+    stream cancels the accepted ones (waiting ones included) and the cache comes back full."""
     n = MAX_BATCH + MAX_WAITING + 4
     body = {"model": NAME, "prompt": "import sys", "max_tokens": 600, "temperature": 0, "stream": True}
 
@@ -288,13 +230,15 @@ def test_past_the_queue_bound_requests_get_429_and_the_rest_are_served(server):
             statuses = [r.status_code for r in responses]
             refused = [r for r in responses if r.status_code == 429]
             errors = [error_of(httpx.Response(429, content=await r.aread())) for r in refused]
+            retry_after = [r.headers.get("retry-after") for r in refused]
             for r in responses:
                 await r.aclose()
-            return statuses, errors
+            return statuses, errors, retry_after
 
-    statuses, errors = asyncio.run(asyncio.wait_for(flood(), REQUEST_TIMEOUT_S))
+    statuses, errors, retry_after = asyncio.run(asyncio.wait_for(flood(), REQUEST_TIMEOUT_S))
     assert statuses.count(200) == MAX_BATCH + MAX_WAITING and statuses.count(429) == n - MAX_BATCH - MAX_WAITING
     assert all("already waiting" in e["message"] and e["type"] == "rate_limit_error" for e in errors)
+    assert retry_after == ["1"] * len(errors)
     h = wait_until_idle(server, timeout_s=60)
     assert h["running"] == 0 and h["waiting"] == 0 and h["free_blocks"] == h["total_blocks"], h
     after = client(server).completions.create(model=NAME, prompt="import sys", max_tokens=3, temperature=0)
@@ -312,52 +256,71 @@ def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk()
         outbox = Outbox(asyncio.get_running_loop())
         outputs = Outputs(outbox)
         pieces = [Output("a", [1], None, 3, 1), Output("bc", [2], None, 3, 2), Output("", [3], "length", 3, 3)]
-        thread = asyncio.to_thread(lambda: [outputs.put(out) for out in pieces])
-        await thread
+        await asyncio.to_thread(lambda: [outputs.put(out) for out in pieces])
         merged = await asyncio.wait_for(outputs.take(), timeout=5)
         assert (merged.text, merged.token_ids, merged.finish_reason, merged.completion_tokens) == (
             "abc", [1, 2, 3], "length", 3)
-        assert not outputs.items
+        assert not outputs.items and outputs.done
         later = Output("d", [4], None, 3, 4)
+        outputs = Outputs(outbox)
         await asyncio.to_thread(outputs.put, later)
         assert await asyncio.wait_for(outputs.take(), timeout=5) == later  # one output: itself
+        assert not outputs.done
 
     asyncio.run(main())
 
 
-def test_a_directory_without_a_checkpoint_ends_serve_py_with_one_line(tmp_path):
-    """The model loads in the engine's process: its error still reaches the user as one line."""
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_bytes((SHIPPED / name).read_bytes())
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(tmp_path),
-                             "--port", str(free_port())], capture_output=True, text=True, timeout=SERVER_START_S,
-                            env=ENV, cwd=ROOT)
-    assert result.returncode != 0 and result.stdout == ""
-    assert result.stderr.splitlines() == [f"serve.py: error: cannot load {tmp_path}: no config.json at "
-                                          f"{tmp_path / 'config.json'}"]
+def test_a_request_that_is_not_streamed_wakes_the_loop_once_by_its_last_output():
+    """each=False: outputs before the last wake nothing (no call into the loop per engine step);
+    the last wakes the request, which takes the whole answer at once."""
+    from qwen3.engine import Output
+    from qwen3.server import Outbox, Outputs
+
+    async def main():
+        outbox = Outbox(asyncio.get_running_loop())
+        woken = []
+        outbox.deliver = lambda deliver=outbox.deliver: (woken.append(1), deliver())
+        outputs = Outputs(outbox, each=False)
+        await asyncio.to_thread(lambda: [outputs.put(Output(t, [i], None, 2, i + 1)) for i, t in enumerate("abc")])
+        await asyncio.sleep(0.05)
+        assert not woken and not outputs.ready.is_set()
+        await asyncio.to_thread(outputs.put, Output("d", [3], "length", 2, 4))
+        merged = await asyncio.wait_for(outputs.take(), timeout=5)
+        assert (merged.text, merged.token_ids, merged.finish_reason) == ("abcd", [0, 1, 2, 3], "length")
+        assert woken == [1]
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--device", "tpu"], "serve.py: error: --device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"),
     (["--num-blocks", "0"], "serve.py: error: --num-blocks must be >= 1, got 0 (see --help)"),
+    (["--threads", "0"], "serve.py: error: --threads must be >= 1, got 0 (see --help)"),
+    (["--shutdown-timeout", "-1"], "serve.py: error: --shutdown-timeout must be >= 0, got -1 (see --help)"),
+    (["--engine-timeout", "1"], "serve.py: error: --engine-timeout must be > 2 s, got 1 (see --help)"),
+    (["--max-batch", "0"], "serve.py: error: --max-batch, --block-size and --prefill-tokens must be >= 1, "
+                           "--max-waiting >= 0 (see --help)"),
 ])
-def test_a_bad_flag_ends_serve_py_with_one_line(flags, message):
-    """A user's mistake in a flag: one line naming it, before anything loads, and no server."""
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(free_port()), *flags],
-                            capture_output=True, text=True, timeout=SERVER_START_S, env=ENV, cwd=ROOT)
-    assert result.returncode != 0 and result.stdout == ""
-    assert result.stderr.splitlines() == [message]
+def test_a_bad_flag_ends_serve_py_with_one_line(flags, message, capsys):
+    """A user's mistake in a flag: one line naming it (status 2), before anything loads."""
+    with pytest.raises(SystemExit) as exit:
+        load_serve_py().parse_args(flags)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [message]
+
+
+def test_an_unknown_device_ends_serve_py_with_one_line():
+    serve = load_serve_py()
+    with pytest.raises(SystemExit) as exit:
+        serve.check_model(serve.parse_args(["--device", "tpu"]))
+    assert exit.value.code == "serve.py: error: --device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"
 
 
 def test_a_port_in_use_ends_serve_py_with_one_line():
-    """Another program listens on the port: one line that says so, and no "serving" line before it."""
+    """Another program listens on the port: one line that says so (bind() runs before the engine starts)."""
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve.py"), "--port", str(port),
-                                 "--device", "cpu"], capture_output=True, text=True, timeout=SERVER_START_S,
-                                env=ENV, cwd=ROOT)
-    assert result.returncode != 0 and result.stdout == ""
-    assert result.stderr.splitlines() == [f"serve.py: error: port {port} on 127.0.0.1 is in use; "
-                                          "pick another with --port"]
+        with pytest.raises(SystemExit) as exit:
+            load_serve_py().bind("127.0.0.1", port)
+    assert exit.value.code == f"serve.py: error: port {port} on 127.0.0.1 is in use; pick another with --port"

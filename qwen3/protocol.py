@@ -1,0 +1,243 @@
+"""The OpenAI API's request bodies as qwen3/server.py takes them, and OpenAI's error shape.
+
+Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
+0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds
+of fields beyond the ones the server implements:
+- defined by OpenAI's API but not implemented here (tools, response_format, logprobs, n > 1...):
+  a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
+  never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
+- defined by the API and accepted whatever they hold, because they do not change the answer
+  (`user`, `metadata`, `service_tier`, ...: marked IGNORED below);
+- not in the API: a 400 "Unrecognized request argument", as OpenAI answers. The extensions this
+  server adds (top_k, min_p, repetition_penalty, ignore_eos, chat_template_kwargs) are vLLM's.
+"""
+
+import json
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class OpenAIError(Exception):
+    """A refusal in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with its status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class Strict(BaseModel):
+    """No coercion (true is not 1, "0.5" is not 0.5) and no unknown fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: Any = None  # IGNORED: chunks carry no padding field to obfuscate
+
+
+class SamplingFields(Strict):
+    """The fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    n: Any = None  # UNSUPPORTED unless 1
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    logprobs: Any = None
+    user: Any = None  # IGNORED
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: Any = None  # UNSUPPORTED unless 1
+    echo: Any = None
+    suffix: Any = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+    name: Any = None  # UNSUPPORTED unless null: the chat template shows no names
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: {"enable_thinking": false}
+    top_logprobs: Any = None  # UNSUPPORTED unless off
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    store: Any = None
+    metadata: Any = None  # IGNORED
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    prediction: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+
+
+# Field -> (the values that ask for nothing, what the server does instead). Each is refused with
+# a 400 naming it when set to anything else.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "one choice per request; send n requests"),
+    "best_of": ((1,), "one choice per request"),
+    "frequency_penalty": ((0, 0.0), "use presence_penalty or repetition_penalty"),
+    "logit_bias": (({},), "no bias on token logits"),
+    "logprobs": ((False,), "no log probabilities are returned"),
+    "top_logprobs": ((0,), "no log probabilities are returned"),
+    "echo": ((False,), "the prompt is not echoed"),
+    "suffix": (("",), "fill-in-the-middle is not implemented"),
+    "tools": (([],), "tool calling is not implemented yet"),
+    "tool_choice": (("none",), "tool calling is not implemented yet"),
+    "functions": (([],), "function calling is not implemented"),
+    "function_call": (("none",), "function calling is not implemented"),
+    "tool_calls": (([],), "tool calling is not implemented yet"),
+    "tool_call_id": ((), "tool calling is not implemented yet"),
+    "response_format": (({"type": "text"},), "structured output is not implemented yet: the answer is plain text"),
+    "audio": ((), "text only"),
+    "modalities": ((["text"],), "text only"),
+    "reasoning_effort": ((), 'thinking is switched with chat_template_kwargs {"enable_thinking": false}'),
+    "verbosity": ((), "the model's own length"),
+    "web_search_options": ((), "no web search"),
+    "store": ((False,), "completions are not stored"),
+    "name": ((), "the chat template shows no participant names"),
+    "refusal": ((), "the chat template has no refusals"),
+}
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """The value as JSON (what the client sent: true, not True), cut to `limit` characters: an error
+    quotes a long prompt's start only."""
+    text = json.dumps(value, default=repr)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_off(value: Any, allowed: tuple) -> bool:
+    """Whether value asks for nothing: null, or one of `allowed` of the same type (true is not 1)."""
+    return value is None or any(type(value) is type(a) and value == a for a in allowed)
+
+
+def refuse_unsupported(model: BaseModel, path: str = "") -> None:
+    """OpenAIError(400) naming the first field that asks for what the server does not implement."""
+    for name, (allowed, instead) in UNSUPPORTED.items():
+        if name in type(model).model_fields and not is_off(value := getattr(model, name), allowed):
+            where = f"{path}.{name}" if path else name
+            raise OpenAIError(400, f"'{where}' is not supported by this server: {instead}; got {short(value)}",
+                              param=where, code="unsupported_parameter")
+    for i, message in enumerate(getattr(model, "messages", None) or []):
+        refuse_unsupported(message, f"messages[{i}]")
+
+
+# Fields whose type is a union: a value of none of its kinds is described here, not by each member's error.
+KINDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+}
+# Every field name of the request models: what is not one in a pydantic error location is the tag of
+# a union's member ("str", "list[int]").
+FIELD_NAMES = {name for model in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions)
+               for name in model.model_fields}
+
+
+def field_path(loc: tuple) -> str:
+    """A pydantic error location as the API names the field: ("messages", 0, "content", "str") ->
+    messages[0].content."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in FIELD_NAMES:
+            path += f".{part}" if path else part
+    return path
+
+
+def union_at(loc: tuple) -> int | None:
+    """Where in a pydantic error location a union field of KINDS stands, followed by its member's tag."""
+    for i, part in enumerate(loc[:-1]):
+        if part in KINDS and isinstance(loc[i + 1], str) and loc[i + 1] not in FIELD_NAMES:
+            return i
+    return None
+
+
+def invalid(err: ValidationError) -> OpenAIError:
+    """The 400 for a body pydantic refused, naming the field. Of several errors (one per member of
+    a union) the deepest is reported: the member the value came closest to."""
+    errors = err.errors()
+    first = max(errors, key=lambda e: len(e["loc"]))
+    loc = first["loc"]
+    if first["type"] == "extra_forbidden":
+        parent = field_path(loc[:-1])
+        path = f"{parent}.{loc[-1]}" if parent else str(loc[-1])
+        return OpenAIError(400, f"Unrecognized request argument supplied: {path}", param=path,
+                           code="unknown_parameter")
+    if first["type"] == "missing":
+        path = field_path(loc)
+        return OpenAIError(400, f"Missing required parameter: '{path}'", param=path)
+    i = union_at(loc)
+    if i is not None and not any(part in FIELD_NAMES for part in loc[i + 2 :]):
+        # The value is of none of the union's kinds (not a mistake inside one, as a content part's type)
+        path = field_path(loc[: i + 1])
+        value = next((e["input"] for e in errors if len(e["loc"]) == i + 2 and e["loc"][: i + 1] == loc[: i + 1]),
+                     first.get("input"))
+        return OpenAIError(400, f"Invalid type for '{path}': expected {KINDS[loc[i]]}, got {short(value)}",
+                           param=path)
+    path = field_path(loc)
+    return OpenAIError(400, f"Invalid value for '{path}': {first['msg']} (got {short(first.get('input'))})",
+                       param=path)
+
+
+def parse(model: type[BaseModel], body: bytes) -> Any:
+    """The request model of a JSON body, or the OpenAIError(400) that says what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise OpenAIError(400, f"Malformed JSON in the request body: {err}") from None
+    if not isinstance(data, dict):
+        raise OpenAIError(400, "The request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as err:
+        raise invalid(err) from None
+    refuse_unsupported(request)
+    return request
