@@ -16,10 +16,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import ops
+from runtime.sampling import sampling_params
 
 from .config import Qwen3Config
-from .generation import sampling_params
-from .model import Qwen3ForCausalLM
 from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
@@ -125,12 +124,12 @@ def _open(file: Path):
         raise ValueError(f"cannot read safetensors file {file}: {err}") from None
 
 
-def empty_model(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
+def empty_model(model_class: type, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel | None = None):
     """The model (with tp, this rank's part) in `dtype` on `device` with uninitialized weights:
     built on the meta device, so that nothing is allocated twice or initialized at random."""
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, tp).to(dtype)
+        model = model_class(config, tp).to(dtype)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty made new tensors: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -138,14 +137,15 @@ def empty_model(config: Qwen3Config, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(
+    model_class: type,
     path: str | Path,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     norm_impl: str | None = None,
     progress: bool = True,
     tensor_parallel: bool = False,
-) -> Qwen3ForCausalLM:
-    """The checkpoint in directory `path` as a Qwen3ForCausalLM in eval mode, with its
+):
+    """The checkpoint in directory `path` as a model_class (Qwen3ForCausalLM) in eval mode, with its
     generation_config.json (if any) as `model.generation_config`.
 
     dtype: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), or "auto" for the checkpoint's
@@ -170,13 +170,13 @@ def load_model(
         device = resolve_parallel_device(device)
         tp = TensorParallel.from_default_group(config, device)
 
-    model = empty_model(config, dtype, device, tp)
+    model = empty_model(model_class, config, dtype, device, tp)
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
     if tp is None:
         shapes = {key: tuple(param.shape) for key, param in params.items()}
     else:  # the checkpoint holds the whole model: check against its shapes (a model on meta, no memory)
         with torch.device("meta"):
-            whole = Qwen3ForCausalLM(config)
+            whole = model_class(config)
         shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
     # Check every key, shape and dtype before copying anything.

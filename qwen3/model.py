@@ -16,7 +16,7 @@ Two paths compute the same function. The unfused path is transformers' operation
 (the reference, the training path, and what runs on the CPU). The fused path, taken for Triton
 norms without autograd, runs attention's input step (q/k-norm, RoPE, cache write), the one-token
 attention and SiLU-and-multiply as single Triton kernels (ops/), so that a decode step is a few
-large kernels per layer, which a CUDA graph then replays (qwen3/generation.py).
+large kernels per layer, which a CUDA graph then replays (runtime/generate.py).
 """
 
 import inspect
@@ -28,13 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm, skinny_gemm
-from ops.decode_attention import decode_attention
-from ops.gemv import gemv, gemv_rms_norm
-from ops.qk_norm_rope import qk_norm_rope
-from ops.silu_mul import silu_mul
+from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
+from ops.attention.decode_attention import decode_attention
+from ops.attention.qk_norm_rope import qk_norm_rope
+from ops.linear import skinny_gemm
+from ops.linear.gemv import gemv, gemv_rms_norm
+from ops.linear.silu_mul import silu_mul
+from runtime.cache import KVCache, PagedKVCache
+from runtime.checks import check_in_vocab, check_input_ids
 
-from .cache import KVCache, PagedKVCache
 from .config import Qwen3Config
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab
@@ -128,7 +130,7 @@ def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, gated: bool = False) 
     On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and a few rows
     (a batched decode step) the skinny GEMM where it is faster: both stream the weights faster
     than cuBLAS's kernels for those shapes and apply the gate as they round their sums
-    (ops/gemv.py, ops/skinny_gemm.py)."""
+    (ops/linear/gemv.py, ops/linear/skinny_gemm.py)."""
     rows = x.numel() // x.shape[-1] if fused else 0
     if rows == 1:
         return gemv(x, layer.weight, layer.bias, gated)
@@ -147,7 +149,7 @@ def normed_linear(norm: "RMSNorm", layer: nn.Linear, h: torch.Tensor, residual: 
                   fused: bool, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(layer, norm(s), fused, gated), s) with s = h + residual (residual None: s = h): a
     pre-norm block's entry. On the fused path a single row takes one GEMV kernel that adds and
-    normalizes in its prologue (ops/gemv.py's gemv_rms_norm, the norm's own arithmetic): no norm
+    normalizes in its prologue (ops/linear/gemv.py's gemv_rms_norm, the norm's own arithmetic): no norm
     kernel of its own."""
     if fused and h.numel() == h.shape[-1]:
         return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated)
@@ -489,22 +491,6 @@ class Qwen3Model(nn.Module):
         return self.norm(h, residual)[0]
 
 
-def check_input_ids(input_ids) -> None:
-    """TypeError unless a LongTensor [batch, seq_len]."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
-        raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
-
-
-def check_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """ValueError unless every id is in [0, vocab_size) (reads the ids' smallest and largest back to
-    the host: one sync on a GPU)."""
-    if not input_ids.numel():
-        return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read-back for both
-    if not 0 <= low <= high < vocab_size:
-        raise ValueError(f"input_ids must be token ids in [0, {vocab_size}), got ids from {low} to {high}")
-
-
 class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Qwen3Config, tp: TensorParallel | None = None):
         """tp: this process's place in a tensor-parallel group (qwen3/parallel.py); the layers then
@@ -649,7 +635,7 @@ class Qwen3ForCausalLM(nn.Module):
         """
         from .loader import load_model
 
-        return load_model(path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress,
+        return load_model(cls, path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress,
                           tensor_parallel=tensor_parallel)
 
     def set_norm_impl(self, impl: str) -> None:
@@ -694,7 +680,7 @@ class Qwen3ForCausalLM(nn.Module):
         on_token: called with the new ids [B] of each step (a tensor on the host), in order, for streaming.
         cuda_graph: replay the decode step from a CUDA graph (default: on for CUDA, off otherwise).
         """
-        from .generation import generate
+        from runtime.generate import generate
 
         return generate(
             self, input_ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature, top_k=top_k,

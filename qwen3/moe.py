@@ -11,15 +11,15 @@ loader copies straight into them.
 
 Routing follows transformers' Qwen3MoeTopKRouter: logits in the activations' dtype, softmax in
 fp32, top-k, optional renormalization to sum 1 (norm_topk_prob), weights cast back; where the
-fused-MoE kernel runs, the steps after the logits are one Triton kernel (ops/moe_route.py).
+fused-MoE kernel runs, the steps after the logits are one Triton kernel (ops/moe/moe_route.py).
 """
 
 import torch
 from torch import nn
 
-from ops.fused_moe import fused_moe, fused_moe_reference
-from ops.gemv import gemv
-from ops.moe_route import moe_route
+from ops.linear.gemv import gemv
+from ops.moe.fused_moe import fused_moe, fused_moe_reference
+from ops.moe.moe_route import moe_route
 
 from .config import Qwen3Config
 
@@ -86,7 +86,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor, kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] in x's dtype, expert ids [N, k]) for x [N, D]. Device-side ops only (topk
         has a fixed output shape): no host sync. kernel: the top-k in one Triton kernel
-        (ops/moe_route.py), and one token's logits from the GEMV kernel."""
+        (ops/moe/moe_route.py), and one token's logits from the GEMV kernel."""
         if not kernel:
             logits = self.gate(x)  # [N, E] in x's dtype
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -98,7 +98,7 @@ class SparseMoeBlock(nn.Module):
         return moe_route(logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """The Triton kernel (ops/fused_moe.py) on the fused path, and on CUDA whenever no gradient
+        """The Triton kernel (ops/moe/fused_moe.py) on the fused path, and on CUDA whenever no gradient
         is needed, whatever the norm: the reference loop asks the host which experts were hit,
         which a CUDA graph cannot capture. Otherwise transformers' loop over the experts that
         received tokens (the reference, differentiable, and what runs on the CPU)."""

@@ -2,7 +2,7 @@
 
     python scripts/bench_engine.py --config 0.6b --concurrency 20 256
 
-Drives qwen3/engine.py's Engine as the server's engine process does, with the load of
+Drives serve/engine.py's Engine as the server's engine process does, with the load of
 scripts/bench_serve.py: c clients, each sending --requests-per-client greedy requests one after
 another (random prompt ids of --prompt-min to --prompt-max tokens, --output tokens each, no stop
 token), on one engine of max_batch c. Prints per level: generated tok/s, time to first token
@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_generate import build, sync  # noqa: E402
 
-from qwen3.engine import Engine, Request  # noqa: E402
-from qwen3.sampling import SamplingParams  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+from serve.engine import Engine, Request  # noqa: E402
 
 PHASES = ("_admit", "_launch_decode", "_accept_step")
 

@@ -40,7 +40,7 @@ import triton.testing as tt
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import ops  # noqa: E402
-from ops.rmsnorm_torch import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
+from ops.norm.rmsnorm_torch import fused_add_rms_norm_torch, rms_norm_torch  # noqa: E402
 
 try:
     from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction

@@ -35,10 +35,10 @@ try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere 
 
     from ops import IMPLS, resolve_impl
     from qwen3 import Qwen3ForCausalLM
-    from qwen3.generation import pad_left, resolve_eos
     from qwen3.loader import DTYPES, resolve_device
-    from qwen3.sampling import problem
-    from qwen3.text import TextStream, load_tokenizer, prompt_ids
+    from runtime.generate import pad_left, resolve_eos
+    from runtime.sampling import problem
+    from runtime.text import TextStream, load_tokenizer, prompt_ids
 except KeyboardInterrupt:
     sys.exit(interrupted())
 
@@ -65,7 +65,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def sampling_flag(name: str, parse):
-    """An argparse type for the flag of sampling parameter `name`: checked by qwen3.sampling's rule
+    """An argparse type for the flag of sampling parameter `name`: checked by runtime.sampling's rule
     while the flags are parsed, before any model loads, and reported under the flag's name."""
 
     def convert(text: str):

@@ -1,7 +1,7 @@
 """Serve a Qwen3 checkpoint over an OpenAI-compatible HTTP API: python scripts/serve.py [--model DIR]
 
-Continuous batching over a paged KV cache (qwen3/engine.py) in a process of its own
-(qwen3/engine_process.py), FastAPI + uvicorn (qwen3/server.py).
+Continuous batching over a paged KV cache (serve/engine.py) in a process of its own
+(serve/engine_process.py), FastAPI + uvicorn (serve/server.py).
 Without --model it serves the small model shipped in weights/, so it runs on a fresh checkout,
 on the CPU too. Then:
 
@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from ops import IMPLS  # noqa: E402
 from qwen3.config import Qwen3Config  # noqa: E402
-from qwen3.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
-from qwen3.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec  # noqa: E402
 from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype  # noqa: E402
-from qwen3.text import load_tokenizer  # noqa: E402
+from runtime.text import load_tokenizer  # noqa: E402
+from serve.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
+from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
 SHUTDOWN_TIMEOUT_S = 30.0  # systemd's and Kubernetes' own waits before a SIGKILL are 90 and 30 s
@@ -192,7 +192,7 @@ def serve(args: argparse.Namespace) -> None:
     sock = bind(args.host, args.port)
     engine = start_engine(args, device, dtype)
     try:
-        from qwen3.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
+        from serve.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
 
         tokenizer = tokenizer_of(args)
         wait_for_engine(engine, args.model)

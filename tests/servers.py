@@ -17,7 +17,7 @@ import httpx
 import torch
 
 from qwen3 import Qwen3ForCausalLM
-from qwen3.generation import resolve_eos
+from runtime.generate import resolve_eos
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE_PY = ROOT / "scripts" / "serve.py"

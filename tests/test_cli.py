@@ -18,7 +18,7 @@ from checkpoints import hf_model, save, save_tokenizer
 from in_process import GENERATE, call_main, load_script
 
 from ops import resolve_impl
-from qwen3.text import TextStream, load_tokenizer, prompt_ids
+from runtime.text import TextStream, load_tokenizer, prompt_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 

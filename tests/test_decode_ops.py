@@ -1,4 +1,4 @@
-"""The decode step's Triton kernels (ops/qk_norm_rope.py, decode_attention.py, silu_mul.py, gemv.py,
+"""The decode step's Triton kernels (ops/attention/qk_norm_rope.py, decode_attention.py, silu_mul.py, gemv.py,
 skinny_gemm.py) against transformers' own modules and functions (Qwen3RMSNorm, apply_rotary_pos_emb,
 eager attention, SiLU, Qwen3MLP) and torch's nn.Linear."""
 
@@ -12,11 +12,17 @@ from tolerances import LAYER_BF16_REL, LAYER_FP32_ATOL, LAYER_FP32_RTOL, relativ
 from transformers.activations import ACT2FN
 from transformers.models.qwen3 import modeling_qwen3 as hf
 
-from ops.decode_attention import MAX_SPLITS, decode_attention, keys_per_step, num_splits, shared_memory_per_program
-from ops.gemv import MIN_TILE, GemvLaunch, gemv, gemv_config, gemv_rms_norm
-from ops.qk_norm_rope import qk_norm_rope
-from ops.silu_mul import silu_mul
-from ops.skinny_gemm import skinny_linear
+from ops.attention.decode_attention import (
+    MAX_SPLITS,
+    decode_attention,
+    keys_per_step,
+    num_splits,
+    shared_memory_per_program,
+)
+from ops.attention.qk_norm_rope import qk_norm_rope
+from ops.linear.gemv import MIN_TILE, GemvLaunch, gemv, gemv_config, gemv_rms_norm
+from ops.linear.silu_mul import silu_mul
+from ops.linear.skinny_gemm import skinny_linear
 from qwen3.config import Qwen3Config
 from qwen3.model import RotaryEmbedding
 

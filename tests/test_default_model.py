@@ -13,7 +13,7 @@ import transformers
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
-from qwen3.text import load_tokenizer
+from runtime.text import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"

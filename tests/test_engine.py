@@ -12,11 +12,12 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
 from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
-from ops.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
-from qwen3 import PagedKVCache, Qwen3ForCausalLM
-from qwen3.engine import Engine, QueueFull, Request
-from qwen3.sampling import SamplingParams
-from qwen3.text import load_tokenizer
+from ops.attention.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
+from qwen3 import Qwen3ForCausalLM
+from runtime.cache import PagedKVCache
+from runtime.sampling import SamplingParams
+from runtime.text import load_tokenizer
+from serve.engine import Engine, QueueFull, Request
 
 GREEDY = SamplingParams(temperature=0.0)
 SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
@@ -429,7 +430,7 @@ def test_a_client_callback_that_raises_ends_only_its_own_request(model):
 
 
 def test_graph_buckets_and_the_cuda_graph_switch(model):
-    from qwen3.engine import batch_buckets, prefill_buckets
+    from serve.engine import batch_buckets, prefill_buckets
 
     assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
@@ -448,9 +449,9 @@ def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
     the graph captures) and a longer one eagerly (45, SDPA per sequence); decode steps replayed
     from the per-bucket CUDA graphs (batches of 6, 5, 4... padded to buckets 8 and 4): every
     token is the one the eager engine chooses."""
-    import qwen3.engine
+    import serve.engine
 
-    monkeypatch.setattr(qwen3.engine, "PREFILL_GRAPH_TOKENS", 32)
+    monkeypatch.setattr(serve.engine, "PREFILL_GRAPH_TOKENS", 32)
     requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
                 zip(prompts([5, 30, 17, 2, 9, 45], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16, 10])]
     model.set_norm_impl(norm_impl)

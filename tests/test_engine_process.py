@@ -1,4 +1,4 @@
-"""The engine in a process of its own (qwen3/engine_process.py), as the server drives it: its numbers
+"""The engine in a process of its own (serve/engine_process.py), as the server drives it: its numbers
 on request, and an engine process that dies or hangs ends every open request with "error", says
 how it died (the signal, the last line it wrote to stderr), tells the server, and refuses new
 requests with that reason, instead of leaving clients waiting. Every wait is bounded."""
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen3.engine import Request
-from qwen3.engine_process import EngineDead, EngineProcess, EngineSpec, describe_exit, engine_threads
-from qwen3.sampling import SamplingParams
+from runtime.sampling import SamplingParams
+from serve.engine import Request
+from serve.engine_process import EngineDead, EngineProcess, EngineSpec, describe_exit, engine_threads
 
 SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
 WAIT_S = 120  # the engine process starts torch and loads the model on a busy 2-core machine

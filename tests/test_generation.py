@@ -6,8 +6,9 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, INTERPRETED, requires_cuda
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
-from qwen3 import KVCache, Qwen3ForCausalLM
-from qwen3.generation import pad_left
+from qwen3 import Qwen3ForCausalLM
+from runtime.cache import KVCache
+from runtime.generate import pad_left
 
 NEW_TOKENS = 40
 

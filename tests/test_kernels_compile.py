@@ -68,7 +68,7 @@ def compile_for_hopper(kernel, pointers: dict[str, str], constexprs: dict, float
 
 
 def compile_qk_norm_rope_kernel(dtype: str) -> None:
-    from ops import qk_norm_rope
+    from ops.attention import qk_norm_rope
 
     pointers = {name: f"*{dtype}" for name in ("QKV", "QW", "KW", "Q_OUT", "K_OUT", "K_CACHE", "V_CACHE")}
     pointers |= {"COS": "*fp32", "SIN": "*fp32", "POS": "*i64", "SLOTS": "*i64"}
@@ -79,7 +79,7 @@ def compile_qk_norm_rope_kernel(dtype: str) -> None:
 
 
 def compile_decode_attention_kernels(dtype: str) -> None:
-    from ops import decode_attention
+    from ops.attention import decode_attention
 
     pointers = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "OUT": f"*{dtype}", "SEQ_LENS": "*i64",
                 "O_PART": "*fp32", "LSE_PART": "*fp32"}
@@ -94,7 +94,7 @@ def compile_decode_attention_kernels(dtype: str) -> None:
 
 
 def compile_gemv_and_silu_mul_kernels(dtype: str) -> None:
-    from ops import gemv, silu_mul
+    from ops.linear import gemv, silu_mul
 
     pointers = {name: f"*{dtype}" for name in ("X", "R", "NW", "S", "W", "B", "Y", "GATE_UP", "OUT")}
     # (gated, norm, residual): the gated gate/up projection with the norm in front at batch 1, the others
@@ -110,7 +110,7 @@ def compile_gemv_and_silu_mul_kernels(dtype: str) -> None:
 
 
 def compile_skinny_gemm_kernels(dtype: str) -> None:
-    from ops import skinny_gemm
+    from ops.linear import skinny_gemm
 
     pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32"}
     # as launched: 4 stages, 32 or 64 outputs a program (16 or 32 gated), partial sums or not
@@ -125,7 +125,7 @@ def compile_skinny_gemm_kernels(dtype: str) -> None:
 
 
 def compile_fused_moe_kernels(dtype: str) -> None:
-    from ops import fused_moe
+    from ops.moe import fused_moe
 
     pointers = {name: f"*{dtype}" for name in ("X", "W13", "H", "W2", "TOPK_WEIGHTS", "Y", "OUT")}
     pointers |= {name: "*i32" for name in ("ORDER", "TILE_EXPERT", "TILE_ROW0", "TILE_ROW_END")}
@@ -137,7 +137,7 @@ def compile_fused_moe_kernels(dtype: str) -> None:
     compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True))
     compile_for_hopper(fused_moe._down_combine_pair_kernel, pointers,
                        dict(TOP_K=8, K_POW2=8, BLOCK_N=8, BLOCK_K=128, PDL=True))
-    from ops import moe_route
+    from ops.moe import moe_route
 
     route = {"LOGITS": f"*{dtype}", "WEIGHTS": f"*{dtype}", "IDS": "*i64"}
     compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True, PDL=True))

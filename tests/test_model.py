@@ -18,7 +18,7 @@ from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 from qwen3 import model as ours
-from qwen3.generation import warm_up_on_a_side_stream
+from runtime.generate import warm_up_on_a_side_stream
 
 
 def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:

@@ -13,8 +13,8 @@ from test_model import assert_decoder_layer_matches, assert_layer_close, hidden,
 from tolerances import LAYER_FP32_ATOL, LAYER_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
-from ops.fused_moe import down_combine_config, fused_moe, fused_moe_reference, pair_config, routing_plan
-from ops.moe_route import moe_route
+from ops.moe.fused_moe import down_combine_config, fused_moe, fused_moe_reference, pair_config, routing_plan
+from ops.moe.moe_route import moe_route
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 from qwen3.moe import SparseMoeBlock
 
@@ -107,7 +107,7 @@ def test_routing_plan_tiles_every_pair_once():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k, norm", [(8, True), (2, False), (1, True)])
 def test_routing_kernel_matches_the_transformers_router(dtype, top_k, norm):
-    """ops/moe_route.py against transformers' Qwen3MoeTopKRouter on the same logits: experts of
+    """ops/moe/moe_route.py against transformers' Qwen3MoeTopKRouter on the same logits: experts of
     the same logits in the same order (the same experts where no two logits tie: always in fp32;
     bf16 logits tie often, and torch orders ties as it likes), weights equal up to the fp32
     softmax's last bits (the exp and the sum's order differ), one rounding step of bf16 at most."""

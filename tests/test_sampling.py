@@ -9,7 +9,7 @@ from checkpoints import hf_model, save
 from conftest import DEVICE, requires_cuda
 
 from qwen3 import Qwen3ForCausalLM
-from qwen3.sampling import SamplingParams, apply_penalties, draw, filter_logits, next_token
+from runtime.sampling import SamplingParams, apply_penalties, draw, filter_logits, next_token
 
 PROBS = [0.5, 0.2, 0.15, 0.1, 0.05]
 

@@ -26,7 +26,7 @@ from servers import (
     wait_until_idle,
 )
 
-from qwen3.text import load_tokenizer, prompt_ids
+from runtime.text import load_tokenizer, prompt_ids
 
 MAX_BATCH, MAX_WAITING = 16, 4
 
@@ -249,8 +249,8 @@ def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk()
     """The engine's thread appends outputs; the event loop, woken once for the burst, takes
     everything since its last look as one output (text and tokens joined in order, the last
     one's finish reason and counts), so a stream under load sends fewer, fuller chunks."""
-    from qwen3.engine import Output
-    from qwen3.server import Outbox, Outputs
+    from serve.engine import Output
+    from serve.server import Outbox, Outputs
 
     async def main():
         outbox = Outbox(asyncio.get_running_loop())
@@ -273,8 +273,8 @@ def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk()
 def test_a_request_that_is_not_streamed_wakes_the_loop_once_by_its_last_output():
     """each=False: outputs before the last wake nothing (no call into the loop per engine step);
     the last wakes the request, which takes the whole answer at once."""
-    from qwen3.engine import Output
-    from qwen3.server import Outbox, Outputs
+    from serve.engine import Output
+    from serve.server import Outbox, Outputs
 
     async def main():
         outbox = Outbox(asyncio.get_running_loop())

@@ -40,7 +40,7 @@ from servers import (
     wait_until_idle,
 )
 
-from qwen3.text import load_tokenizer
+from runtime.text import load_tokenizer
 
 MAX_BATCH, MAX_WAITING = 4, 2
 NORMAL = ("import os", 6)  # the normal request that must still be answered right after a fault

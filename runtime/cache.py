@@ -78,7 +78,7 @@ class PagedKVCache:
 
     The free list lives here, beside the storage it describes, so that the count of free blocks
     has one source of truth; which sequence owns which blocks is the scheduler's business
-    (qwen3/engine.py).
+    (serve/engine.py).
     """
 
     def __init__(

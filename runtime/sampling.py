@@ -115,3 +115,18 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     error."""
     clocks = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / clocks).argmax(-1)
+
+
+# What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
+LIBRARY_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+
+
+def sampling_params(generation_config: dict, **overrides) -> SamplingParams:
+    """Caller's values over the checkpoint's generation_config.json over the library defaults.
+    A generation_config with do_sample false means greedy, as in transformers."""
+    values = dict(LIBRARY_DEFAULTS)
+    values.update({k: generation_config[k] for k in LIBRARY_DEFAULTS if generation_config.get(k) is not None})
+    if generation_config.get("do_sample") is False:
+        values["temperature"] = 0.0
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)

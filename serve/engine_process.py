@@ -1,4 +1,4 @@
-"""The engine (qwen3/engine.py) in a process of its own, driven through a pipe: what the server runs.
+"""The engine (serve/engine.py) in a process of its own, driven through a pipe: what the server runs.
 
     engine = EngineProcess(EngineSpec(model_dir, ...))   # starts the process, loads the model there
     engine.start(on_death)                               # the threads that send requests and receive outputs
@@ -83,7 +83,7 @@ class EngineSpec:
 
 def default_blocks(model, device: torch.device, max_batch: int, block_size: int) -> int | None:
     """On CUDA: 80% of the free memory, but no more than max_batch full-context sequences need."""
-    from .cache import PagedKVCache
+    from runtime.cache import PagedKVCache
 
     if device.type != "cuda":
         return None  # the engine's default
@@ -108,8 +108,8 @@ def engine_threads(threads: int | None, device: torch.device) -> int:
 def build_engine(spec: EngineSpec) -> Engine:
     from tqdm import tqdm
 
-    from .model import Qwen3ForCausalLM
-    from .text import load_tokenizer
+    from qwen3 import Qwen3ForCausalLM
+    from runtime.text import load_tokenizer
 
     # tqdm's default lock (the loader makes a bar) is a named multiprocessing semaphore: left behind by
     # a killed engine, the resource tracker it shares with the server reports it as leaked at the

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import use_pdl, wait_for_prior_kernels
+from ..triton_helpers import use_pdl, wait_for_prior_kernels
 
 __all__ = ["moe_route"]
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to
+from ..triton_helpers import round_to
 
 # One pass holds the whole row in registers up to this width; wider rows take the looped kernel.
 MAX_ONE_PASS_D = 16384

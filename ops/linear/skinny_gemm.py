@@ -4,7 +4,7 @@
     a = skinny_linear(x, gate_up_weight, gated=True)   # silu(x @ W_gate^T) * (x @ W_up^T)
 
 A decode step over a batch of 2-64 rows multiplies each weight matrix by a few rows: the product
-is bound by streaming the weights once, as at one row (ops/gemv.py), not by arithmetic. Each
+is bound by streaming the weights once, as at one row (ops/linear/gemv.py), not by arithmetic. Each
 program owns BLOCK_N outputs of BLOCK_M rows and streams its [BLOCK_N, K] slice of W through
 tl.dot in pipelined [BLOCK_N, BLOCK_K] tiles. Where N alone gives too few programs to keep the
 GPU's memory system busy (Qwen3-0.6B's o and down projections: 1,024 outputs), K is split over
@@ -15,7 +15,7 @@ Products are summed in another order than cuBLAS's, so results differ from F.lin
 rounding before the final rounding to the output dtype.
 
 gated=True takes a fused [gate; up] weight [2F, K] (an MLP's gate_up_proj) and returns SwiGLU's
-product silu(gate) * up [M, F], as ops/gemv.py does at one row: a program streams W's rows n and
+product silu(gate) * up [M, F], as ops/linear/gemv.py does at one row: a program streams W's rows n and
 F + n for its outputs n, and the gate is applied where the sums are rounded, in either kernel.
 """
 
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
+from ..triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["faster_than_cublas", "skinny_linear"]
 

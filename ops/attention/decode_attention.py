@@ -9,7 +9,7 @@ seq_lens lives on the device, so one captured CUDA graph serves every decode ste
 
     out = decode_attention(q, k_blocks, v_blocks, seq_lens, scale, block_table=table)
 
-The paged form (qwen3/cache.py's PagedKVCache): k_blocks, v_blocks [n_blocks, block_size, K, hd]
+The paged form (runtime/cache.py's PagedKVCache): k_blocks, v_blocks [n_blocks, block_size, K, hd]
 and table [B, M] of block ids; row b's key at position p is in block table[b, p // block_size],
 at offset p % block_size. The kernel looks each key's block up in the table; nothing else changes.
 
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, use_pdl, wait_for_prior_kernels
+from ..triton_helpers import dot, use_pdl, wait_for_prior_kernels
 
 __all__ = ["decode_attention", "num_splits"]
 

@@ -1,4 +1,4 @@
-"""Continuous batching over a paged KV cache: the serving engine behind qwen3/server.py.
+"""Continuous batching over a paged KV cache: the serving engine behind serve/server.py.
 
 Requests join and leave the running batch between decode steps. Each engine step:
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
@@ -39,7 +39,7 @@ bucket the same way, up to PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerl
 exercise the eager paths, the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
-qwen3/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
+serve/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
 thread (they queue for the next step), and outputs reach each request through its `on_output`
 callback, called during `step`.
 """
@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PagedKVCache
-from .generation import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
-from .sampling import ParameterError, SamplingParams, next_token, problem
-from .text import TextStream
+from runtime.cache import PagedKVCache
+from runtime.generate import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
+from runtime.sampling import ParameterError, SamplingParams, next_token, problem
+from runtime.text import TextStream
 
 # Prompt tokens prefilled per engine step by default (a longer prompt alone): the prompts of a
 # burst get their first tokens a step's worth at a time instead of all at the end of one long

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the engine (qwen3/engine.py); scripts/serve.py starts it.
+"""An OpenAI-compatible HTTP server over the engine (serve/engine.py); scripts/serve.py starts it.
 
     POST /v1/completions        prompt (text or token ids) -> text
     POST /v1/chat/completions   messages, through the tokenizer's chat template -> an assistant turn
@@ -7,12 +7,12 @@
                                 503 while shutting down or once the engine has died
 
 FastAPI on uvicorn: the ASGI stack vLLM and SGLang serve with, well kept and small. Streaming is
-server-sent events; the JSON bodies are parsed by hand and checked by pydantic (qwen3/protocol.py),
+server-sent events; the JSON bodies are parsed by hand and checked by pydantic (serve/protocol.py),
 so every bad request gets OpenAI's error shape ({"error": {"message", "type", "param", "code"}}),
 never FastAPI's own 422; so do an unknown path (404) and a wrong method (405), which Starlette
 would answer with {"detail": ...}.
 
-The engine runs in a process of its own and owns the model (qwen3/engine_process.py); a request
+The engine runs in a process of its own and owns the model (serve/engine_process.py); a request
 hands it a callback, called on the thread that receives the engine's outputs, that appends each
 output to the request's Outputs, and the event loop is woken once per burst of outputs for every
 request with news (see Outbox), not once per token; a request that is not streamed is woken once,
@@ -64,10 +64,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from runtime.sampling import sampling_params
+
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
-from .generation import sampling_params
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 
 # The thread that receives the engine's outputs and the event loop share the GIL. The receiver

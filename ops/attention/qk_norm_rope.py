@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to, use_pdl, wait_for_prior_kernels
+from ..triton_helpers import round_to, use_pdl, wait_for_prior_kernels
 
 __all__ = ["qk_norm_rope"]
 

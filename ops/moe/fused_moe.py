@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
+from ..triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["fused_moe", "fused_moe_reference", "routing_plan"]
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to, swiglu, use_pdl, wait_for_prior_kernels
+from ..triton_helpers import round_to, swiglu, use_pdl, wait_for_prior_kernels
 
 __all__ = ["gemv", "gemv_rms_norm"]
 
@@ -74,9 +74,9 @@ def _gemv_kernel(X, R, NW, S, W, B, Y, N, K, eps, HAS_BIAS: tl.constexpr, GATED:
                  PDL: tl.constexpr):
     """Outputs n of this program: y[n] = x . W[n] (+ B[n]), rounded once.
     GATED: W is [gate; up] (2N rows, B 2N values) and y[n] = silu(gate[n]) * up[n], gate[n] and
-    up[n] each rounded as the projection's output would be, then the product as ops/silu_mul.py
+    up[n] each rounded as the projection's output would be, then the product as ops/linear/silu_mul.py
     rounds it.
-    NORM: the row is rms_norm(X (+ R if HAS_RESIDUAL), NW, eps), rounded as ops/rmsnorm_triton.py
+    NORM: the row is rms_norm(X (+ R if HAS_RESIDUAL), NW, eps), rounded as ops/norm/rmsnorm_triton.py
     rounds it; the first program stores X + R to S."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N

@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies as qwen3/server.py takes them, and OpenAI's error shape.
+"""The OpenAI API's request bodies as serve/server.py takes them, and OpenAI's error shape.
 
 Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
 0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds

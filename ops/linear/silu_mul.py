@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import round_to, swiglu
+from ..triton_helpers import round_to, swiglu
 
 __all__ = ["silu_mul"]
 

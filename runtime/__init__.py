@@ -1,0 +1,1 @@
+"""What runs the model: the KV cache, generate(), sampling, text in and out."""
