@@ -18,7 +18,7 @@ from tqdm import tqdm
 import ops
 from runtime.sampling import sampling_params
 
-from .config import Qwen3Config
+from .config import Qwen3Config, resolve_kernels
 from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
@@ -144,6 +144,7 @@ def load_model(
     norm_impl: str | None = None,
     progress: bool = True,
     tensor_parallel: bool = False,
+    kernels: str | None = None,
 ):
     """The checkpoint in directory `path` as a model_class (Qwen3ForCausalLM) in eval mode, with its
     generation_config.json (if any) as `model.generation_config`.
@@ -151,7 +152,8 @@ def load_model(
     dtype: a torch.dtype, its name ("bfloat16", "torch.bfloat16"), or "auto" for the checkpoint's
     dtype; default float32 on the CPU and the checkpoint's dtype on a GPU. device: "cpu", "cuda",
     "cuda:1"... norm_impl: the RMSNorm implementation (default "auto": triton on CUDA, torch on
-    the CPU). progress: a bar on stderr, once loading has taken over a second. tensor_parallel:
+    the CPU). kernels: the fused Triton kernels or the reference operations (default "auto": fused
+    on CUDA). progress: a bar on stderr, once loading has taken over a second. tensor_parallel:
     this rank's part of the model, over the default process group (qwen3/parallel.py).
     Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
     naming the file and the key.
@@ -161,10 +163,12 @@ def load_model(
         raise FileNotFoundError(f"model directory {path} " + ("is a file, not a directory" if path.exists()
                                                                 else "does not exist"))
     device = resolve_device(device)
-    config = Qwen3Config.from_json(path, **({"norm_impl": norm_impl} if norm_impl else {}))
+    overrides = {key: value for key, value in (("norm_impl", norm_impl), ("kernels", kernels)) if value}
+    config = Qwen3Config.from_json(path, **overrides)
     dtype = resolve_dtype(dtype, device, config.dtype)
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
+    resolve_kernels(config.kernels, device)
     tp = None
     if tensor_parallel:  # refuses a missing process group and a model that does not split
         device = resolve_parallel_device(device)

@@ -12,9 +12,9 @@ With tensor parallelism (`tp`, qwen3/parallel.py) each rank holds its share of t
 of V: H, K, F and V below are then this rank's counts, attention and the MLP each return this
 rank's partial sum of their output projection, and DecoderLayer adds the ranks' partial sums.
 
-Two paths compute the same function. The unfused path is transformers' operations one by one
-(the reference, the training path, and what runs on the CPU). The fused path, taken for Triton
-norms without autograd, runs attention's input step (q/k-norm, RoPE, cache write), the one-token
+Two paths compute the same function (config.kernels picks one). The reference path is
+transformers' operations one by one (the training path, and what runs on the CPU by default). The
+fused path, for inference, runs attention's input step (q/k-norm, RoPE, cache write), the one-token
 attention and SiLU-and-multiply as single Triton kernels (ops/), so that a decode step is a few
 large kernels per layer, which a CUDA graph then replays (runtime/generate.py).
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ops import IMPLS, fused_add_rms_norm, resolve_impl, rms_norm
+from ops import IMPLS, fused_add_rms_norm, rms_norm
 from ops.attention.decode_attention import decode_attention
 from ops.attention.qk_norm_rope import qk_norm_rope
 from ops.linear import skinny_gemm
@@ -37,7 +37,7 @@ from ops.linear.silu_mul import silu_mul
 from runtime.cache import KVCache, PagedKVCache
 from runtime.checks import check_in_vocab, check_input_ids
 
-from .config import Qwen3Config
+from .config import KERNELS, Qwen3Config, resolve_kernels
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab
 
@@ -260,7 +260,7 @@ class ForwardBatch:
     (`prepare_batch`): where they sit, which path computes them, what they attend to."""
 
     positions: torch.Tensor  # [B, T] long: each token's rotary position, which is also its slot in its cache row
-    fused: bool  # the Triton kernels (inference on Triton norms) or transformers' operations one by one
+    fused: bool  # the Triton kernels (config.kernels "fused", no autograd) or transformers' operations
     cos: torch.Tensor  # fused: fp32 tables [P, hd/2]; unfused: [B, T, hd] in the activations' dtype
     sin: torch.Tensor
     slots: torch.Tensor | None  # [B * T] flat cache slot of each token (padding -> the scratch slot)
@@ -570,8 +570,7 @@ class Qwen3ForCausalLM(nn.Module):
             if attention_mask.shape != (B, T):
                 raise ValueError(f"attention_mask must be shaped like input_ids {(B, T)}")
             valid = attention_mask.to(device=device, dtype=torch.bool)
-        impl = resolve_impl(self.config.norm_impl, device)
-        fused = impl == "triton" and not torch.is_grad_enabled()
+        fused = resolve_kernels(self.config.kernels, device) == "fused" and not torch.is_grad_enabled()
         dtype = self.model.embed_tokens.weight.dtype
         batch = prepare_batch(self.model.rotary_emb, positions, dtype, fused, cache, valid, block_table, cu_seqlens)
         keep = None
@@ -611,6 +610,7 @@ class Qwen3ForCausalLM(nn.Module):
         norm_impl: str | None = None,
         progress: bool = True,
         tensor_parallel: bool = False,
+        kernels: str | None = None,
     ) -> "Qwen3ForCausalLM":
         """Load a Hugging Face Qwen3 checkpoint directory (config.json, model.safetensors or a
         sharded model.safetensors.index.json, optionally generation_config.json).
@@ -621,6 +621,10 @@ class Qwen3ForCausalLM(nn.Module):
         device: where the weights go ("cpu", "cuda", "cuda:1", a torch.device).
         norm_impl: "auto" | "torch" | "triton" | "cuda": the RMSNorm implementation of every norm
             ("auto": triton on CUDA, torch elsewhere; default: the config's, else "auto").
+        kernels: "auto" | "fused" | "reference": the fused Triton kernels of inference steps or
+            transformers' operations one by one ("auto": fused on CUDA, reference elsewhere;
+            default: the config's, else "auto"). The fused kernels normalize inside themselves,
+            with the norm's arithmetic; norm_impl picks every other norm.
         progress: a progress bar while loading takes long.
         tensor_parallel: split the model over the ranks of the initialized torch.distributed
             default process group (torchrun; NCCL on GPUs, gloo on the CPU), each process reading
@@ -636,7 +640,7 @@ class Qwen3ForCausalLM(nn.Module):
         from .loader import load_model
 
         return load_model(cls, path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress,
-                          tensor_parallel=tensor_parallel)
+                          tensor_parallel=tensor_parallel, kernels=kernels)
 
     def set_norm_impl(self, impl: str) -> None:
         """Switch every RMSNorm in the model (input, post-attention, q, k, final) to `impl`."""
@@ -646,6 +650,12 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.impl = impl
         self.config.norm_impl = impl
+
+    def set_kernels(self, kernels: str) -> None:
+        """Switch what computes inference steps: "fused" Triton kernels, "reference" operations, "auto"."""
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+        self.config.kernels = kernels
 
     def generate(
         self,

@@ -141,7 +141,7 @@ def ours_from_hf(hf, norm: str, tp: TensorParallel | None = None) -> Qwen3ForCau
     loader's rule). The copy takes the place of from_pretrained, which would need a checkpoint on disk."""
     weight = hf.get_output_embeddings().weight
     config = Qwen3Config.from_dict(hf.config.to_dict(), norm_impl=norm)
-    ours = empty_model(config, weight.dtype, weight.device, tp)
+    ours = empty_model(Qwen3ForCausalLM, config, weight.dtype, weight.device, tp)
     weights = hf.state_dict()
     with torch.no_grad():
         for key, tensor in ours.checkpoint_tensors().items():

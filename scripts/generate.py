@@ -35,6 +35,7 @@ try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere 
 
     from ops import IMPLS, resolve_impl
     from qwen3 import Qwen3ForCausalLM
+    from qwen3.config import KERNELS, resolve_kernels
     from qwen3.loader import DTYPES, resolve_device
     from runtime.generate import pad_left, resolve_eos
     from runtime.sampling import problem
@@ -88,7 +89,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, metavar="DIR",
                    help="checkpoint directory in Hugging Face layout (default: weights/qwen3-stdlib-tiny)")
     p.add_argument("--norm", choices=IMPLS, default="auto",
-                   help="RMSNorm implementation; auto: triton on CUDA, torch on the CPU (default: auto)")
+                   help="RMSNorm implementation of every norm; auto: triton on CUDA, torch on the CPU (default: auto)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="fused: the Triton kernels of a decode step (projections with their norm, q/k-norm + RoPE, "
+                        "attention); reference: transformers' operations one by one; auto: fused on CUDA, reference "
+                        "on the CPU (default: auto)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
@@ -220,6 +225,10 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
         norm = resolve_impl(args.norm, device)
     except ValueError as err:
         bad_flag(f"--norm {args.norm}: {err}")
+    try:
+        kernels = resolve_kernels(args.kernels, device)
+    except ValueError as err:
+        bad_flag(f"--kernels {args.kernels}: {err}")
     if args.tensor_parallel:  # torchrun's environment names the ranks; one GPU per process
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -232,7 +241,8 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
     try:
         tokenizer = load_tokenizer(args.model)
         model = Qwen3ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device=device, norm_impl=args.norm,
-                                                 progress=show, tensor_parallel=args.tensor_parallel)
+                                                 kernels=args.kernels, progress=show,
+                                                 tensor_parallel=args.tensor_parallel)
     except (OSError, ValueError, torch.OutOfMemoryError) as err:
         fail(f"cannot load {args.model}: {err}")
 
@@ -301,7 +311,7 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
     parallel = f", tensor parallel over {model.tp.size} ranks" if model.tp else ""
     print(
         f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "
-        f"{decode}, peak {peak}, {device} {dtype}, norm {norm}{parallel}]",
+        f"{decode}, peak {peak}, {device} {dtype}, norm {norm}, kernels {kernels}{parallel}]",
         file=sys.stderr,
     )
 

@@ -57,14 +57,14 @@ def main() -> None:
             expected = reference(ids).logits.float()
         del reference
         torch.cuda.empty_cache()
-        for norm in ("torch", "triton"):
+        for norm, kernels in (("torch", "reference"), ("triton", "fused")):
             model = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda", norm_impl=norm,
-                                                     progress=False)
+                                                     kernels=kernels, progress=False)
             with torch.no_grad():
                 actual = model(ids).float()
             rel = ((actual - expected).norm() / expected.norm()).item()
             top1 = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
-            rows.append(f"| {name} | {norm} | {(actual - expected).abs().max().item():.4f} | {rel:.2e} | "
+            rows.append(f"| {name} | {norm}, {kernels} | {(actual - expected).abs().max().item():.4f} | {rel:.2e} | "
                         f"{top1 * 100:.1f}% of {ids.numel()} |")
             print(rows[-1], flush=True)
             del model
@@ -80,7 +80,7 @@ same 2 x 256 random tokens. Both compute in bf16, with different attention kerne
 so logits differ by bf16 rounding that compounds over the layers; top-1 agreement is the practical
 measure.
 
-| model | our norm | max abs diff | relative error | top-1 agreement |
+| model | our norm, kernels | max abs diff | relative error | top-1 agreement |
 |---|---|---|---|---|
 """ + "\n".join(rows) + "\n")
 

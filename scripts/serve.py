@@ -41,8 +41,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from ops import IMPLS  # noqa: E402
-from qwen3.config import Qwen3Config  # noqa: E402
+from ops import IMPLS, resolve_impl  # noqa: E402
+from qwen3.config import KERNELS, Qwen3Config, resolve_kernels  # noqa: E402
 from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype  # noqa: E402
 from runtime.text import load_tokenizer  # noqa: E402
 from serve.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt tokens admitted and prefilled per engine step at most, a longer prompt alone "
                         f"(default: {PREFILL_TOKENS})")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="fused Triton kernels or transformers' reference operations; auto: fused on CUDA, reference "
+                        "on the CPU (default: auto)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
@@ -150,6 +153,11 @@ def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
         fail(f"--device: {err}")
+    for flag, value, resolve in (("--norm", args.norm, resolve_impl), ("--kernels", args.kernels, resolve_kernels)):
+        try:
+            resolve(value, device)
+        except ValueError as err:
+            fail(f"{flag} {value}: {err}")
     if not args.model.is_dir():
         fail(f"no model directory at {args.model}")
     try:
@@ -170,7 +178,7 @@ def tokenizer_of(args: argparse.Namespace):
 
 def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> EngineProcess:
     """The engine process, started: it loads the model while serve.py loads its tokenizer."""
-    spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, n_blocks=args.num_blocks,
+    spec = EngineSpec(args.model, dtype, str(device), norm=args.norm, kernels=args.kernels, n_blocks=args.num_blocks,
                       block_size=args.block_size, max_batch=args.max_batch, max_waiting=args.max_waiting,
                       cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens, threads=args.threads)
     try:

@@ -30,6 +30,17 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED el
 
 requires_cuda = pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (and TRITON_INTERPRET=0)")
 
+# The model's two paths: transformers' operations with the torch norms, or the fused Triton kernels
+# with the Triton norms (the GPU's default; on the CPU through the interpreter).
+PATHS = {"reference": dict(norm_impl="torch", kernels="reference"), "fused": dict(norm_impl="triton", kernels="fused")}
+
+
+def use_path(model, path: str | None) -> None:
+    """Put the model on one of PATHS, or (None) back to its defaults ("auto")."""
+    chosen = PATHS[path] if path is not None else dict(norm_impl="auto", kernels="auto")
+    model.set_norm_impl(chosen["norm_impl"])
+    model.set_kernels(chosen["kernels"])
+
 
 @pytest.fixture
 def device() -> torch.device:

@@ -75,13 +75,14 @@ def test_flush_returns_what_push_held_back():
 
 def test_generates_and_reports_timing(model_dir, run_cli):
     result = run_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
-                     "--temperature", "0", "--no-chat", "--norm", "triton")
+                     "--temperature", "0", "--no-chat", "--norm", "triton", "--kernels", "fused")
     assert result.returncode == 0, result.stderr
     assert "prompt tokens" in result.stderr and "prefill" in result.stderr and "tok/s" in result.stderr
+    assert "norm triton, kernels fused]" in result.stderr
     greedy = result.stdout
     again = run_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
-                    "--temperature", "0", "--no-chat", "--norm", "torch")
-    assert again.stdout == greedy  # the norm switch does not change greedy text
+                    "--temperature", "0", "--no-chat", "--norm", "torch", "--kernels", "reference")
+    assert again.stdout == greedy  # neither the norm switch nor the kernels switch changes greedy text
     assert len(greedy.strip()) > 0
     one_thread = run_cli("--model", str(model_dir), "--prompt", "def add(a, b):", "--max-new-tokens", "12",
                          "--temperature", "0", "--no-chat", "--threads", "1")
@@ -105,7 +106,7 @@ def test_batch_prints_each_prompts_text_as_it_is_generated_alone(model_dir, tmp_
     tok = load_tokenizer(model_dir)
     n_tokens = sum(len(prompt_ids(tok, p, chat=False)) for p in prompts)
     assert f"[2 prompt(s), {n_tokens} prompt tokens," in batch.stderr
-    assert "norm torch]" in batch.stderr  # auto, resolved for the CPU
+    assert "norm torch, kernels reference]" in batch.stderr  # auto, resolved for the CPU
 
 
 def test_a_batch_header_shows_a_multiline_prompt_on_one_line(model_dir, run_cli):
@@ -204,6 +205,7 @@ MISTAKES = {
     "cuda graph on the cpu": (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and the "
                               "model runs on cpu", 2),
     "threads 0": (["--threads", "0"], "--threads must be >= 1, got 0", 2),
+    "kernels unknown": (["--kernels", "fastest"], "argument --kernels: invalid choice: 'fastest'", 2),
     "empty prompt file": (["--prompt-file", "{empty}"], "has no prompts", 2),
     "no config.json": (["--model", "{no_config}"], "it has no config.json", 2),
     "no tokenizer.json": (["--model", "{no_tokenizer}"], "no tokenizer.json in", 1),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, save
-from conftest import DEVICE, requires_cuda
+from conftest import DEVICE, requires_cuda, use_path
 from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
 from ops.attention.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
@@ -131,12 +131,12 @@ def test_paged_decode_attention_equals_contiguous(dtype, B, S, splits):
         decode_attention(q, k_blocks, v_blocks, seq_lens, 1.0, block_table=table[:2])
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_paged_forward_equals_the_full_forward(model, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_paged_forward_equals_the_full_forward(model, path):
     """Two rows prefilled one at a time into scattered blocks, then decoded together one token
     per step at their own positions: every step's logits equal the no-cache forward's, on the
     torch path (gather + SDPA) and the fused one (the paged Triton kernel)."""
-    model.set_norm_impl(norm_impl)
+    use_path(model, path)
     rows = prompts([7, 3], model.config.vocab_size, seed=2)
     more = prompts([6, 6], model.config.vocab_size, seed=3)
     cache = PagedKVCache.for_model(model, n_blocks=12, block_size=4)
@@ -160,11 +160,11 @@ def test_paged_forward_equals_the_full_forward(model, norm_impl):
             with pytest.raises(ValueError, match="needs a block_table"):
                 model(ids, positions, cache=cache)
     finally:
-        model.set_norm_impl("auto")
+        use_path(model, None)
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, path):
     """Three prompts packed into one forward (cu_seqlens, padding and an empty sequence at the
     end) into scattered blocks: each one's last-token logits equal transformers' for the prompt
     alone, and so do the logits of a next token decoded through the cache the packed forward
@@ -177,7 +177,7 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl
     ids = sum(rows, []) + [0, 0]  # two padding tokens
     positions = [p for row in rows for p in range(len(row))] + [0, 0]
     cu_seqlens = torch.tensor([0, 5, 6, 14, 14], dtype=torch.int32, device=DEVICE)
-    model.set_norm_impl(norm_impl)
+    use_path(model, path)
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids], device=DEVICE), torch.tensor([positions], device=DEVICE), cache=cache,
@@ -195,7 +195,7 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, norm_impl
             with pytest.raises(ValueError, match="packed sequences take"):  # positions restart: no default
                 model(torch.tensor([ids], device=DEVICE), cu_seqlens=cu_seqlens)
     finally:
-        model.set_norm_impl("auto")
+        use_path(model, None)
 
 
 @requires_cuda
@@ -227,8 +227,8 @@ def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
 # ---- the engine --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("norm_impl, max_tokens", [("torch", [6, 14, 9, 4, 12]), ("triton", [2, 5, 3, 2, 3])])
-def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm_impl, max_tokens):
+@pytest.mark.parametrize("path, max_tokens", [("reference", [6, 14, 9, 4, 12]), ("fused", [2, 5, 3, 2, 3])])
+def test_requests_joining_and_leaving_generate_what_they_would_alone(model, path, max_tokens):
     """Five greedy requests of different lengths through a batch of 3: the later ones join as the
     first ones finish; each gets exactly what model.generate gives it alone (on the torch path:
     the fused one is tested equal to it in test_generation). Triton: fewer tokens, interpreted."""
@@ -236,7 +236,7 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
     requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
                 zip(prompts(lengths, model.config.vocab_size, seed=4), max_tokens)]
     expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
-    model.set_norm_impl(norm_impl)
+    use_path(model, path)
     try:
         engine = Engine(model, max_batch=3, n_blocks=64, block_size=4)
         outputs = [collect(engine, r) for r in requests]
@@ -248,7 +248,7 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, norm
             assert out[-1].finish_reason == "length" and out[-1].completion_tokens == request.max_tokens
         assert engine.peak_running == 3 and engine.free_blocks == 64
     finally:
-        model.set_norm_impl("auto")
+        use_path(model, None)
 
 
 @pytest.mark.parametrize("prefill_tokens, steps", [(1, [[7], [2], [11], [4], [9], [3]]), (24, [[24], [12]]),
@@ -442,8 +442,8 @@ def test_graph_buckets_and_the_cuda_graph_switch(model):
 
 
 @requires_cuda
-@pytest.mark.parametrize("norm_impl", ["triton", "torch"])
-def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_graphed_engine_equals_eager_engine(model, path, monkeypatch):
     """On the GPU: packs of prompts of up to 32 tokens in all prefilled from their bucket's graph
     (2 + 5 + 9 -> 16, 17 -> 24, 30 -> 32; in fp32 through SDPA under a block-diagonal mask, which
     the graph captures) and a longer one eagerly (45, SDPA per sequence); decode steps replayed
@@ -454,7 +454,7 @@ def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
     monkeypatch.setattr(serve.engine, "PREFILL_GRAPH_TOKENS", 32)
     requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
                 zip(prompts([5, 30, 17, 2, 9, 45], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16, 10])]
-    model.set_norm_impl(norm_impl)
+    use_path(model, path)
     try:
         results = []
         for graph in (True, False):
@@ -464,5 +464,5 @@ def test_graphed_engine_equals_eager_engine(model, norm_impl, monkeypatch):
             engine.run(timeout_s=120)
             results.append([tokens(o) for o in outs])
     finally:
-        model.set_norm_impl("auto")
+        use_path(model, None)
     assert results[0] == results[1]

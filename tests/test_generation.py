@@ -3,7 +3,7 @@
 import pytest
 import torch
 from checkpoints import hf_model, save
-from conftest import DEVICE, INTERPRETED, requires_cuda
+from conftest import DEVICE, INTERPRETED, requires_cuda, use_path
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
@@ -13,10 +13,10 @@ from runtime.generate import pad_left
 NEW_TOKENS = 40
 
 
-def new_tokens(norm_impl: str, n: int = NEW_TOKENS) -> int:
-    """Tokens to decode on `norm_impl`'s path: n, but 6 where Triton's interpreter runs the fused
+def new_tokens(path: str, n: int = NEW_TOKENS) -> int:
+    """Tokens to decode on `path`: n, but 6 where Triton's interpreter runs the fused
     kernels one program after another (the same path decodes n tokens in the GPU test set)."""
-    return min(n, 6) if norm_impl == "triton" and INTERPRETED else n
+    return min(n, 6) if path == "fused" and INTERPRETED else n
 
 
 @pytest.fixture(scope="module")
@@ -51,31 +51,31 @@ def test_greedy_equals_transformers_single(models):
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_greedy_equals_transformers_batched_left_padded(models, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_greedy_equals_transformers_batched_left_padded(models, path):
     reference, ours = models
     rows = prompts([5, 12, 1, 8], reference.config.vocab_size, seed=1)
     ids, mask = left_pad(rows)
-    n = new_tokens(norm_impl)
+    n = new_tokens(path)
     expected = hf_greedy(reference, ids, mask, n)
-    ours.set_norm_impl(norm_impl)
+    use_path(ours, path)
     try:
         actual = ours.generate(ids, attention_mask=mask, max_new_tokens=n, temperature=0.0)
         for i, row in enumerate(rows):  # each row is what that prompt generates alone (batch 1: GEMVs)
             alone = ours.generate(torch.tensor([row], device=DEVICE), max_new_tokens=n, temperature=0.0)
             assert torch.equal(actual[i, ids.shape[1]:], alone[0, len(row):])
     finally:
-        ours.set_norm_impl("auto")
+        use_path(ours, None)
     assert torch.equal(actual, expected)
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_cached_logits_equal_the_full_forward_at_every_step(models, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_cached_logits_equal_the_full_forward_at_every_step(models, path):
     """Prefill 10 tokens, then one at a time, at explicit positions: each step's logits equal the
     no-cache forward's, on the unfused path (torch) and the fused one (Triton kernels)."""
     _, ours = models
-    ours.set_norm_impl(norm_impl)
-    T = 10 + new_tokens(norm_impl, 20)
+    use_path(ours, path)
+    T = 10 + new_tokens(path, 20)
     ids = torch.tensor(prompts([T], ours.config.vocab_size, seed=2), device=DEVICE)
     positions = torch.arange(T, device=DEVICE)[None]
     try:
@@ -87,7 +87,7 @@ def test_cached_logits_equal_the_full_forward_at_every_step(models, norm_impl):
             with pytest.raises(ValueError, match="KV cache is full"):
                 ours(ids[:, :1], positions[:, :1] + T, cache=cache)
     finally:
-        ours.set_norm_impl("auto")
+        use_path(ours, None)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
 
 
@@ -110,16 +110,16 @@ def test_continuing_a_cache_with_several_tokens_at_once(models):
                                        atol=LOGITS_FP32_ATOL)
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_right_padded_batch_generates_each_row_as_alone(models, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_right_padded_batch_generates_each_row_as_alone(models, path):
     """A tokenizer pads on the right by default: each row continues from its last real token."""
     _, ours = models
-    ours.set_norm_impl(norm_impl)
+    use_path(ours, path)
     rows = prompts([5, 12, 1], ours.config.vocab_size, seed=7)
     width = max(map(len, rows))
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=DEVICE)
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=DEVICE)
-    n = new_tokens(norm_impl, 12)
+    n = new_tokens(path, 12)
     try:
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=n, temperature=0.0, eos_token_id=[])
         for i, row in enumerate(rows):
@@ -127,7 +127,7 @@ def test_right_padded_batch_generates_each_row_as_alone(models, norm_impl):
                                   eos_token_id=[])
             assert torch.equal(out[i, width:], alone[0, len(row):])
     finally:
-        ours.set_norm_impl("auto")
+        use_path(ours, None)
 
 
 def test_padding_between_tokens_or_an_empty_row_is_refused(models):
@@ -166,19 +166,19 @@ def test_cuda_graph_decoding_equals_transformers_batched_left_padded(models):
 
 
 @requires_cuda
-@pytest.mark.parametrize("norm_impl", ["triton", "torch"])
-def test_graphed_decoding_equals_eager_decoding_in_fp32(models, norm_impl):
+@pytest.mark.parametrize("path", ["fused", "reference"])
+def test_graphed_decoding_equals_eager_decoding_in_fp32(models, path):
     """The default on CUDA (decode steps replayed from a CUDA graph) chooses the same tokens as
     the eager loop, on the fused path and the unfused one."""
     _, ours = models
-    ours.set_norm_impl(norm_impl)
+    use_path(ours, path)
     ids, mask = left_pad(prompts([5, 30, 17], ours.config.vocab_size, seed=12))
     try:
         graphed = ours.generate(ids, attention_mask=mask, max_new_tokens=60, temperature=0.0, eos_token_id=[])
         eager = ours.generate(ids, attention_mask=mask, max_new_tokens=60, temperature=0.0, eos_token_id=[],
                               cuda_graph=False)
     finally:
-        ours.set_norm_impl("auto")
+        use_path(ours, None)
     assert torch.equal(graphed, eager)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from checkpoints import hf_config, hf_model, save
-from conftest import DEVICE, requires_cuda
+from conftest import DEVICE, PATHS, requires_cuda
 from tolerances import (
     LAYER_BF16_REL,
     LAYER_FP32_ATOL,
@@ -21,8 +21,8 @@ from qwen3 import model as ours
 from runtime.generate import warm_up_on_a_side_stream
 
 
-def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:
-    return Qwen3Config.from_dict(hf_cfg.to_dict(), norm_impl=norm_impl)
+def our_config(hf_cfg, path="reference") -> Qwen3Config:
+    return Qwen3Config.from_dict(hf_cfg.to_dict(), **PATHS[path])
 
 
 def hf_causal_mask(T: int, dtype) -> torch.Tensor:
@@ -77,7 +77,7 @@ def test_attention(dtype, heads, bias, fused):
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 or p.shape[0] != 24 else p.copy_(1 + 0.2 * torch.randn_like(p))
-    config = our_config(cfg, norm_impl="triton" if fused else "torch")
+    config = our_config(cfg, "fused" if fused else "reference")
     mine = ours.Attention(config, layer_idx=0).to(DEVICE, dtype)
     mine.load_state_dict(theirs.state_dict())  # q_proj, k_proj, v_proj stacked into qkv_proj
     x = hidden(dtype=dtype)
@@ -103,16 +103,16 @@ def test_mlp(dtype, fused):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_decoder_layer(dtype, norm_impl):
-    assert_decoder_layer_matches(hf_model(seed=3, dtype=dtype).to(DEVICE), dtype, norm_impl)
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_decoder_layer(dtype, path):
+    assert_decoder_layer_matches(hf_model(seed=3, dtype=dtype).to(DEVICE), dtype, path)
 
 
-def assert_decoder_layer_matches(model, dtype: torch.dtype, norm_impl: str) -> ours.DecoderLayer:
+def assert_decoder_layer_matches(model, dtype: torch.dtype, path: str) -> ours.DecoderLayer:
     """Our DecoderLayer, loaded with the first layer of transformers' `model`, gives its output
     (ours: (h, residual), whose sum is HF's `residual + hidden_states`). Returns our layer."""
     theirs = model.model.layers[0]
-    cfg = our_config(model.config, norm_impl)
+    cfg = our_config(model.config, path)
     mine = ours.DecoderLayer(cfg, layer_idx=0).to(DEVICE, dtype)
     mine.load_state_dict(theirs.state_dict())
     x = hidden(dtype=dtype)
@@ -122,7 +122,7 @@ def assert_decoder_layer_matches(model, dtype: torch.dtype, norm_impl: str) -> o
         expected = theirs(x, attention_mask=hf_causal_mask(x.shape[1], dtype),
                           position_embeddings=rotary(positions, dtype))
         expected = expected[0] if isinstance(expected, tuple) else expected
-        h, residual = mine(x, None, ours.prepare_batch(rotary, positions, dtype, fused=norm_impl == "triton"))
+        h, residual = mine(x, None, ours.prepare_batch(rotary, positions, dtype, fused=path == "fused"))
     assert_layer_close(h + residual, expected)
     return mine
 
@@ -143,14 +143,14 @@ def input_ids(vocab: int, B: int = 2, T: int = 13, seed: int = 0) -> torch.Tenso
 
 
 @pytest.mark.parametrize("case", list(E2E_CASES))
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
+@pytest.mark.parametrize("path", ["reference", "fused"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-def test_logits_match_transformers(tmp_path, case, norm_impl, sharded):
+def test_logits_match_transformers(tmp_path, case, path, sharded):
     reference = hf_model(seed=4, **E2E_CASES[case])
     save(reference, tmp_path, max_shard_size="100KB" if sharded else None)
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
     model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE,
-                                             norm_impl=norm_impl, progress=False)
+                                             **PATHS[path], progress=False)
     ids = input_ids(reference.config.vocab_size)
     with torch.no_grad():
         expected = reference.to(DEVICE)(ids).logits
@@ -214,22 +214,32 @@ def kernels_run(fn) -> set[str]:
     return {event.name for event in prof.events() if event.name.startswith("qwen3_ops::")}
 
 
-def test_norm_impl_switch_changes_the_kernels_not_the_logits(tmp_path):
+def test_norm_switch_and_kernels_switch_change_the_kernels_not_the_logits(tmp_path):
+    """norm_impl swaps every norm module's implementation (the torch reference, or Triton's norm
+    ops) and nothing else; kernels swaps transformers' operations for the fused Triton kernels
+    (q/k-norm + RoPE, SiLU-and-multiply: a batch of 13 tokens takes no GEMV). The logits stay."""
     reference = hf_model(seed=7)
     save(reference, tmp_path)
     model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE,
-                                             norm_impl="torch", progress=False)
+                                             norm_impl="torch", kernels="reference", progress=False)
     ids = input_ids(reference.config.vocab_size)
+    norm_ops = {"qwen3_ops::rms_norm", "qwen3_ops::fused_add_rms_norm"}
     with torch.no_grad():
         with_torch = model(ids)
         assert kernels_run(lambda: model(ids)) == set()
         model.set_norm_impl("triton")
-        with_triton = model(ids)
-        assert {"qwen3_ops::qk_norm_rope", "qwen3_ops::silu_mul"} <= kernels_run(
-            lambda: model(ids))
-    torch.testing.assert_close(with_triton, with_torch, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
+        with_triton_norms = model(ids)
+        assert kernels_run(lambda: model(ids)) == norm_ops
+        model.set_norm_impl("torch")
+        model.set_kernels("fused")
+        fused = model(ids)
+        assert {"qwen3_ops::qk_norm_rope", "qwen3_ops::silu_mul"} <= kernels_run(lambda: model(ids))
+    for logits in (with_triton_norms, fused):
+        torch.testing.assert_close(logits, with_torch, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
     with pytest.raises(ValueError, match="norm_impl must be one of"):
         model.set_norm_impl("fastest")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        model.set_kernels("fastest")
 
 
 def test_yarn_checkpoint_loads_and_matches_transformers_past_the_original_context(tmp_path):
@@ -293,7 +303,7 @@ def triton_decoder(dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     """A small decoder on the triton norms, its norm weights moved off ones (a weight applied
     wrongly would hide behind ones)."""
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(our_config(hf_config(), norm_impl="triton"))
+    model = Qwen3ForCausalLM(our_config(hf_config(), "fused"))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import SMALL, save, spread_weights
-from conftest import DEVICE, INTERPRETED, requires_cuda
+from conftest import DEVICE, INTERPRETED, PATHS, requires_cuda, use_path
 from safetensors.torch import load_file, save_file
 from test_model import assert_decoder_layer_matches, assert_layer_close, hidden, input_ids, kernels_run
 from tolerances import LAYER_FP32_ATOL, LAYER_FP32_RTOL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -40,8 +40,8 @@ def hf_moe_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides)
     return spread_weights(transformers.Qwen3MoeForCausalLM(hf_moe_config(**overrides))).to(dtype).eval()
 
 
-def our_config(hf_cfg, norm_impl="torch") -> Qwen3Config:
-    return Qwen3Config.from_dict(hf_cfg.to_dict(), norm_impl=norm_impl)
+def our_config(hf_cfg, path="reference") -> Qwen3Config:
+    return Qwen3Config.from_dict(hf_cfg.to_dict(), **PATHS[path])
 
 
 # ------------------------------------------------------------------------------ the kernel alone
@@ -228,9 +228,9 @@ def test_sparse_block_loads_a_checkpoint_layout_state_dict(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_decoder_layer(dtype, norm_impl):
-    mine = assert_decoder_layer_matches(hf_moe_model(seed=4, dtype=dtype).to(DEVICE), dtype, norm_impl)
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_decoder_layer(dtype, path):
+    mine = assert_decoder_layer_matches(hf_moe_model(seed=4, dtype=dtype).to(DEVICE), dtype, path)
     assert isinstance(mine.mlp, SparseMoeBlock)
 
 
@@ -246,12 +246,12 @@ E2E_CASES = {
 
 
 @pytest.mark.parametrize("case", list(E2E_CASES))
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_logits_match_transformers(tmp_path, case, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_logits_match_transformers(tmp_path, case, path):
     reference = hf_moe_model(seed=5, **E2E_CASES[case])
     save(reference, tmp_path)
     model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE,
-                                             norm_impl=norm_impl, progress=False)
+                                             **PATHS[path], progress=False)
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     assert sparse == [isinstance(layer.mlp, hf.Qwen3MoeSparseMoeBlock) for layer in reference.model.layers]
     ids = input_ids(reference.config.vocab_size)
@@ -265,11 +265,11 @@ def test_which_path_runs_the_fused_moe_kernel():
     """The sparse block runs the Triton kernel on the fused path (triton norms, no autograd: so the
     triton cases above test it), and on CUDA whenever no gradient is needed (the torch loop syncs
     the host, which a CUDA graph cannot capture); the torch loop otherwise."""
-    model = Qwen3ForCausalLM(our_config(hf_moe_config(num_hidden_layers=1), norm_impl="torch")).to(DEVICE)
+    model = Qwen3ForCausalLM(our_config(hf_moe_config(num_hidden_layers=1))).to(DEVICE)
     ids = input_ids(model.config.vocab_size, B=1, T=4)
     with torch.no_grad():
         assert ("qwen3_ops::fused_moe" in kernels_run(lambda: model(ids))) == (DEVICE.type == "cuda")
-        model.set_norm_impl("triton")
+        use_path(model, "fused")
         assert "qwen3_ops::fused_moe" in kernels_run(lambda: model(ids))
     assert "qwen3_ops::fused_moe" not in kernels_run(lambda: model(ids))  # autograd: the torch loop
 
@@ -299,8 +299,8 @@ def generation_models(tmp_path_factory):
     return reference, Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, device=DEVICE, progress=False)
 
 
-@pytest.mark.parametrize("norm_impl", ["torch", "triton"])
-def test_greedy_generation_equals_transformers(generation_models, norm_impl):
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_greedy_generation_equals_transformers(generation_models, path):
     """A left-padded batch of two prompts, 20 new tokens, KV cache; on triton the decode steps run
     the fused path (Triton attention, the fused-MoE kernel), 8 tokens through the interpreter."""
     reference, model = generation_models
@@ -308,14 +308,14 @@ def test_greedy_generation_equals_transformers(generation_models, norm_impl):
     rows = [torch.randint(0, 384, (n,), generator=gen).tolist() for n in (7, 3)]
     ids = torch.tensor([[0] * (7 - len(r)) + r for r in rows], device=DEVICE)
     mask = torch.tensor([[0] * (7 - len(r)) + [1] * len(r) for r in rows], device=DEVICE)
-    n = 8 if norm_impl == "triton" and INTERPRETED else 20  # the interpreter runs a program at a time
+    n = 8 if path == "fused" and INTERPRETED else 20  # the interpreter runs a program at a time
     expected = reference.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, pad_token_id=0)
-    model.set_norm_impl(norm_impl)
+    use_path(model, path)
     try:
         actual = model.generate(ids, attention_mask=mask, max_new_tokens=n, temperature=0.0)
     finally:
-        model.set_norm_impl("auto")
+        use_path(model, None)
     assert torch.equal(actual, expected)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import SMALL, hf_config, hf_model, save
-from conftest import INTERPRETED
+from conftest import INTERPRETED, PATHS
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 from tp_workers import cpu_jobs, gpu_greedy, run_ranks
 
@@ -27,10 +27,10 @@ CHECKPOINTS = {
     "gqa-bias": (dict(attention_bias=True), False),  # 4 query heads, 2 key/value heads: 2 + 1 per rank
     "mqa-tied-sharded": (dict(num_key_value_heads=1, tie_word_embeddings=True), True),  # k/v replicated
 }
-# case: (checkpoint, norm_impl)
-CASES = {"gqa-bias": ("gqa-bias", "torch"), "mqa-tied-sharded": ("mqa-tied-sharded", "torch")}
+# case: (checkpoint, the model's path: conftest.PATHS)
+CASES = {"gqa-bias": ("gqa-bias", "reference"), "mqa-tied-sharded": ("mqa-tied-sharded", "reference")}
 if INTERPRETED:  # the fused path (Triton kernels through the interpreter) on each rank's shard, at batch 1
-    CASES["gqa-bias-fused"] = ("gqa-bias", "triton")
+    CASES["gqa-bias-fused"] = ("gqa-bias", "fused")
 # name: (config overrides that do not divide over 2 ranks, what the error must name)
 BAD_SPLITS = {
     "odd-heads": (dict(num_attention_heads=3, num_key_value_heads=1), "num_attention_heads=3 is not a multiple of 2"),
@@ -54,14 +54,14 @@ def two_ranks(tmp_path_factory):
         save(checkpoints[name], root / name, max_shard_size="100KB" if sharded else None)
         assert (root / name / "model.safetensors.index.json").exists() == sharded
     references, inputs, jobs = {}, {}, []
-    for i, (name, (checkpoint, norm)) in enumerate(CASES.items()):
+    for i, (name, (checkpoint, path)) in enumerate(CASES.items()):
         references[name] = checkpoints[checkpoint]
-        inputs[name] = prompt(SMALL["vocab_size"], batch=1 if norm == "triton" else 2, seed=i)
-        jobs.append(dict(name=name, path=str(root / checkpoint), norm=norm, ids=inputs[name], new=NEW_TOKENS,
+        inputs[name] = prompt(SMALL["vocab_size"], batch=1 if path == "fused" else 2, seed=i)
+        jobs.append(dict(name=name, path=str(root / checkpoint), load=PATHS[path], ids=inputs[name], new=NEW_TOKENS,
                          sample=name == "gqa-bias"))
     for name, (overrides, _) in BAD_SPLITS.items():
         hf_config(**overrides).save_pretrained(root / name)  # config.json only: refused before any weight
-        jobs.append(dict(name=name, path=str(root / name), norm="torch"))
+        jobs.append(dict(name=name, path=str(root / name), load=PATHS["reference"]))
     run_ranks(cpu_jobs, jobs, root)
     ranks = [torch.load(root / f"rank{r}.pt") for r in range(2)]
     return references, inputs, {name: [rank[name] for rank in ranks] for name in ranks[0]}

@@ -41,7 +41,7 @@ def cpu_jobs(rank: int, jobs: list[dict], out: Path) -> None:
     for job in jobs:
         try:
             model = Qwen3ForCausalLM.from_pretrained(job["path"], dtype=torch.float32, device="cpu",
-                                                     norm_impl=job["norm"], progress=False, tensor_parallel=True)
+                                                     **job["load"], progress=False, tensor_parallel=True)
         except ValueError as err:
             results[job["name"]] = {"error": str(err)}
             continue
