@@ -75,7 +75,7 @@ def stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`, checkpoint key mlp.gate.weight) + experts: sum over a token's top-k experts of
-    routing weight x expert(x). Called like MLP: (x [B, T, D], fused) -> [B, T, D]."""
+    routing weight x expert(x). Called like MLP: (x [N, D], fused, residual, norm) -> ([N, D], residual)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -97,16 +97,20 @@ class SparseMoeBlock(nn.Module):
         logits = gemv(x, self.gate.weight) if x.shape[0] == 1 else self.gate(x)
         return moe_route(logits, self.top_k, self.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """The Triton kernel (ops/moe/fused_moe.py) on the fused path, and on CUDA whenever no gradient
-        is needed, whatever the norm: the reference loop asks the host which experts were hit,
-        which a CUDA graph cannot capture. Otherwise transformers' loop over the experts that
-        received tokens (the reference, differentiable, and what runs on the CPU)."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])  # [N, D]
+    def forward(self, x: torch.Tensor, fused: bool = False, residual: torch.Tensor | None = None,
+                norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the block's output for norm(x + residual) [N, D], x + residual), as MLP's forward; the
+        router and the experts read the normalized tokens. The Triton kernel (ops/moe/fused_moe.py)
+        on the fused path, and on CUDA whenever no gradient is needed, whatever the kernels' choice:
+        the reference loop asks the host which experts were hit, which a CUDA graph cannot capture.
+        Otherwise transformers' loop over the experts that received tokens (differentiable)."""
+        if norm is not None:
+            x, residual = norm(x, residual) if residual is not None else (norm(x), x)
+        else:
+            residual = x
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         kernel = fused or (x.is_cuda and not needs_grad)
         weights, ids = self.route(x, kernel)
         moe = fused_moe if kernel else fused_moe_reference
-        return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
+        return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids), residual
 

@@ -1,10 +1,12 @@
-"""Prefill + decode loop over a KV cache: padded batches, per-row stopping, streaming.
+"""Prefill + decode loop over the paged KV cache: padded batches, per-row stopping, streaming.
 
 Prompts of different lengths come padded (left or right) with an attention mask (1 = token,
-0 = padding). Each row's positions count its own tokens only, and its cache row holds only
-them, so a row generates what it would alone.
+0 = padding). The prefill packs each row's real tokens back to back (the padding is never
+computed), each row's positions count its own tokens only, and its cache row (one block table
+per row, its blocks in order) holds only them, so a row generates what it would alone.
 
-On CUDA the decode step is captured once in a CUDA graph and replayed for every later token:
+On CUDA the decode step is captured once in a CUDA graph (runtime/graphs.py) and replayed for
+every later token:
 one launch for the model and the choice of the next token (penalties, filters and the draw, or
 the argmax) instead of a few hundred. Each step writes its tokens where the next step reads its
 input, so the host only replays the graph and copies the tokens out. The host stays one step
@@ -24,9 +26,16 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import KVCache
+from . import metadata
+from .cache import PagedKVCache
 from .checks import check_in_vocab, check_input_ids
+from .graphs import GraphRunner, resolve_cuda_graph
 from .sampling import SamplingParams, next_token, problem, sampling_params
+
+# Tokens per block of generate's cache: a row's blocks are its own and in order, so a large block
+# keeps each key step of the decode kernel inside one block (contiguous reads), one table entry
+# per 256 keys. A constant, so that every call compiles the same kernels.
+BLOCK_SIZE = 256
 
 
 def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, config) -> list[int]:
@@ -37,15 +46,6 @@ def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, c
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def resolve_cuda_graph(cuda_graph: bool | None, device: torch.device) -> bool:
-    """Whether decode steps replay from CUDA graphs: the caller's choice, by default on CUDA."""
-    if cuda_graph is None:
-        return device.type == "cuda"
-    if cuda_graph and device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs the model on a CUDA device, it is on {device}")
-    return cuda_graph
-
-
 def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists of different lengths as one batch, padded on the left with `pad`:
     (input_ids [B, T], attention_mask [B, T], 1 = token)."""
@@ -53,17 +53,6 @@ def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
     ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long)
     return ids, mask
-
-
-def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
-    """Run fn on a side stream so that every kernel it launches (Triton's included) is compiled
-    and loaded before a CUDA graph captures it, as torch.cuda.graph asks."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
 
 
 class TokenChoice:
@@ -97,47 +86,6 @@ class TokenChoice:
         self.finished_at.copy_(torch.where(stops, self.step, self.finished_at))
         self.step += 1
         return new
-
-
-class DecodeStep:
-    """One token per row: the model over the last tokens `ids` [B, 1] at `positions` [B, 1] (their
-    keys and values written to the cache there), then `choose` on the logits. Its tokens become
-    the next call's ids, and the positions advance by one. With `graph`, the whole step is
-    captured in a CUDA graph on its first call and replayed after, and the returned tokens [B] are
-    a buffer that the next call overwrites."""
-
-    def __init__(self, model, cache: KVCache, choose: TokenChoice, ids: torch.Tensor, positions: torch.Tensor,
-                 graph: bool):
-        self.model, self.cache, self.choose = model, cache, choose
-        self.ids, self.positions = ids.clone(), positions.clone()  # [B, 1]: this step's input, updated in place
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.use_graph = graph
-        self.tokens: torch.Tensor | None = None
-
-    def _forward(self) -> torch.Tensor:
-        return self.model(self.ids, self.positions, cache=self.cache, last_only=True)[:, -1]
-
-    def _step(self) -> torch.Tensor:
-        tokens = self.choose(self._forward())
-        self.ids.copy_(tokens[:, None])
-        self.positions += 1
-        return tokens
-
-    def __call__(self) -> torch.Tensor:
-        if not self.use_graph:
-            return self._step()
-        if self.graph is None:
-            with torch.cuda.device(self.ids.device):  # streams and the capture belong to the model's GPU
-                # The forward alone: it writes the cache slots the first replay writes again, and
-                # leaves the choice's state (its step, its random draws) as it was.
-                warm_up_on_a_side_stream(self._forward)
-                self.graph = torch.cuda.CUDAGraph()
-                if self.choose.generator is not None:  # its draws advance with every replay
-                    self.graph.register_generator_state(self.choose.generator)
-                with torch.cuda.graph(self.graph):
-                    self.tokens = self._step()
-        self.graph.replay()
-        return self.tokens
 
 
 def check_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -220,14 +168,13 @@ def generate(
     if max_new_tokens == 0:
         return input_ids
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]: each row counts its own tokens
-    next_positions = valid.sum(1, keepdim=True)  # [B, 1]
     choose = TokenChoice(input_ids, valid, config.vocab_size, params, generator, eos, pad)
-
-    cache = KVCache.for_model(model, B, int(next_positions.max()) + max_new_tokens)
-    logits = model(input_ids, positions, cache=cache, attention_mask=attention_mask, last_only=True)[:, -1]
-    first = choose(logits)
-
+    lengths = valid.sum(1)  # [B]: each row's tokens
+    longest = int(lengths.max())
+    per_row = -(-(longest + max_new_tokens) // BLOCK_SIZE)
+    cache = PagedKVCache.for_model(model, B * per_row, BLOCK_SIZE)
+    tables = torch.arange(B * per_row, device=device).view(B, per_row)  # row b's blocks, in order
+    first = choose(prefill(model, input_ids, valid, attention_mask is None, cache, tables, longest))
     # Each step's tokens and every row's stop step land in their own row of these host buffers
     # (pinned on CUDA, so that the copies run behind the GPU's work without a wait).
     pinned = device.type == "cuda"
@@ -257,13 +204,13 @@ def generate(
     # The first token as soon as the prefill gives it, before any graph capture.
     n = 1
     all_stopped = read(to_host(0, first))
-    step = DecodeStep(model, cache, choose, first[:, None], next_positions, graph=cuda_graph)
+    step = decode_steps(model, cache, tables, choose, first, lengths, cuda_graph)
     previous = None
     for i in range(1, max_new_tokens + 1):
         if all_stopped:
             break
         # Queue step i on the GPU before looking at step i - 1's tokens.
-        current = to_host(i, step()) if i < max_new_tokens else None
+        current = to_host(i, step(B)) if i < max_new_tokens else None
         if previous is not None:
             all_stopped = read(previous)
             n = previous[0] + 1
@@ -271,3 +218,44 @@ def generate(
     if all_stopped:  # the steps after the last stop are padding
         n = int(host_stops[n - 1].max()) + 1
     return torch.cat([input_ids, host_tokens[:n].T.to(device)], dim=1)
+
+
+def prefill(model, input_ids: torch.Tensor, valid: torch.Tensor, unpadded: bool, cache: PagedKVCache,
+            tables: torch.Tensor, longest: int) -> torch.Tensor:
+    """Each row's tokens (valid [B, T]) written to its blocks from position 0 -> the logits [B, V] of
+    its last token. Rows of one length run as rows; padded ones packed back to back, padding left out."""
+    B, T = input_ids.shape
+    if unpadded:
+        positions = metadata.rows_positions(B, T, input_ids.device)
+        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=input_ids.device)
+        meta = metadata.prefill(positions, cu_seqlens, cache, tables, T, rows=T)
+        return model(input_ids.reshape(-1), positions, meta)
+    lengths = valid.sum(1)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    positions = (valid.long().cumsum(1) - 1)[valid]  # [N]: each row's tokens count from 0
+    meta = metadata.prefill(positions, cu_seqlens, cache, tables, longest)
+    return model(input_ids[valid], positions, meta)
+
+
+def decode_steps(model, cache: PagedKVCache, tables: torch.Tensor, choose: "TokenChoice", first: torch.Tensor,
+                 lengths: torch.Tensor, cuda_graph: bool) -> GraphRunner:
+    """runner(B): one decode step, the next token of each row: the model over the last tokens at
+    their positions, then `choose`; its tokens become the next step's input and the positions
+    advance by one, in place (with cuda_graph the whole step is one replay, and the tokens it
+    returns are a buffer that the next call overwrites)."""
+    ids, positions = first.clone(), lengths.clone()  # [B] each: the step's input, updated in place
+    cu_seqlens = torch.arange(ids.shape[0] + 1, dtype=torch.int32, device=ids.device)
+
+    def forward(B: int) -> torch.Tensor:
+        return model(ids, positions, metadata.decode(positions, cache, tables, cu_seqlens=cu_seqlens))
+
+    def step(B: int) -> torch.Tensor:
+        tokens = choose(forward(B))
+        ids.copy_(tokens)
+        positions.add_(1)
+        return tokens
+
+    # The warm-up runs the forward alone: it writes the cache slots the first replay writes again,
+    # and leaves the choice's state (its step, its random draws) as it was.
+    generators = [choose.generator] if choose.generator is not None else []
+    return GraphRunner(step, [ids.shape[0]], ids.device, cuda_graph, warm_up=forward, generators=generators)

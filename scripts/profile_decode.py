@@ -14,7 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_generate import build  # noqa: E402
 
-from qwen3 import KVCache  # noqa: E402
+from runtime import metadata  # noqa: E402
+from runtime.cache import PagedKVCache  # noqa: E402
+from runtime.generate import BLOCK_SIZE  # noqa: E402
 
 
 def main() -> None:
@@ -27,17 +29,24 @@ def main() -> None:
     device = torch.device("cuda")
     _, model = build(args.model, device, torch.bfloat16, args.norm)
     B, P = args.batch, args.prompt
-    cache = KVCache.for_model(model, B, P + 8)
-    ids = torch.randint(0, model.config.vocab_size, (B, P), device=device)
-    positions = torch.arange(P, device=device).expand(B, P)
+    per_row = -(-(P + 8) // BLOCK_SIZE)
+    cache = PagedKVCache.for_model(model, B * per_row, BLOCK_SIZE)  # as generate lays it out
+    tables = torch.arange(B * per_row, device=device).view(B, per_row)
+    ids = torch.randint(0, model.config.vocab_size, (B * P,), device=device)
+    positions = metadata.rows_positions(B, P, device)
+    cu_seqlens = torch.arange(0, (B + 1) * P, P, dtype=torch.int32, device=device)
     with torch.inference_mode():
-        model(ids, positions, cache=cache, last_only=True)
-        step_ids, step_pos = ids[:, -1:], positions[:, -1:] + 1
+        model(ids, positions, metadata.prefill(positions, cu_seqlens, cache, tables, P, rows=P))
+        step_ids, step_pos = ids.view(B, P)[:, -1], torch.full((B,), P, device=device)
+
+        def step():
+            model(step_ids, step_pos, metadata.decode(step_pos, cache, tables))
+
         for _ in range(3):
-            model(step_ids, step_pos, cache=cache, last_only=True)
+            step()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            model(step_ids, step_pos, cache=cache, last_only=True)
+            step()
             torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels)

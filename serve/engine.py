@@ -55,8 +55,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime import metadata
 from runtime.cache import PagedKVCache
-from runtime.generate import resolve_cuda_graph, resolve_eos, warm_up_on_a_side_stream
+from runtime.generate import resolve_eos
+from runtime.graphs import GraphRunner, resolve_cuda_graph
 from runtime.sampling import ParameterError, SamplingParams, next_token, problem
 from runtime.text import TextStream
 
@@ -175,54 +177,36 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # None: the tokens are already there (CPU)
 
 
-def capture_buckets(sizes: list[int], forward: Callable[[int], torch.Tensor],
-                    device: torch.device) -> dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
-    """{size: (graph, its output)} for forward(size) captured at each size, largest first, the
-    graphs sharing one memory pool (each later capture fits in what the largest reserved)."""
-    graphs = {}
-    pool = torch.cuda.graph_pool_handle()
-    with torch.cuda.device(device), torch.inference_mode():
-        for size in reversed(sizes):
-            warm_up_on_a_side_stream(lambda size=size: forward(size))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = forward(size)
-            graphs[size] = (graph, out)
-    return graphs
-
-
 def batch_buckets(max_batch: int) -> list[int]:
     """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16, up to max_batch."""
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch, 16)) + [max_batch]
 
 
-class PagedDecodeStep:
-    """One token per running sequence: ids [B, 1] at positions [B, 1] with block tables [B, M]
-    -> logits [B, V]. Eager, or (CUDA) replayed from the graph of the smallest bucket >= B."""
+class DecodeStep:
+    """One token per running sequence: ids [B] at positions [B] through block tables [B, M] ->
+    logits [B, V], from static buffers the call fills: eager, or (CUDA) replayed from the graph of
+    the smallest batch bucket >= B (runtime/graphs.py), its padding rows written to scratch."""
 
     def __init__(self, model, cache: PagedKVCache, max_batch: int, table_width: int, graph: bool):
-        self.model, self.cache, self.use_graph = model, cache, graph
-        self.buckets = batch_buckets(max_batch)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if graph:
-            device = model.lm_head.weight.device
-            self.ids = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-            self.positions = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
-            self.valid = torch.zeros(max_batch, 1, dtype=torch.bool, device=device)
-            self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
-            # Every row is padding while capturing (valid False): warm-up writes land in the scratch slot.
-            self.graphs = capture_buckets(self.buckets, self._forward, device)
+        self.model, self.cache = model, cache
+        device = model.lm_head.weight.device
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        # Every row is padding while capturing (valid False): warm-up writes land in the scratch slot.
+        self.runner = GraphRunner(self._step, batch_buckets(max_batch), device, graph)
 
-    def _forward(self, n: int) -> torch.Tensor:
-        return self.model(self.ids[:n], self.positions[:n], cache=self.cache, attention_mask=self.valid[:n],
-                          last_only=True, block_table=self.block_table[:n])[:, -1]
+    def _step(self, n: int) -> torch.Tensor:
+        meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
+                               self.cu_seqlens[: n + 1])
+        return self.model(self.ids[:n], self.positions[:n], meta)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
         B = ids.shape[0]
-        if not self.use_graph:
-            return self.model(ids, positions, cache=self.cache, last_only=True, block_table=block_table)[:, -1]
-        bucket = next(b for b in self.buckets if b >= B)
+        bucket = self.runner.bucket(B)
         self.ids[:B].copy_(ids)
         self.positions[:B].copy_(positions)
         self.block_table[:B, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
@@ -230,9 +214,7 @@ class PagedDecodeStep:
         self.valid[B:bucket] = False  # padding rows: position 0 of block 0, written to scratch
         self.positions[B:bucket] = 0
         self.block_table[B:bucket] = 0
-        graph, logits = self.graphs[bucket]
-        graph.replay()
-        return logits[:B]
+        return self.runner(B)[:B]
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -245,35 +227,35 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return [b for b in sizes if b < max_tokens] + [max_tokens]
 
 
-class PagedPrefillStep:
+class PrefillStep:
     """Prompts' first forwards, packed: the tokens of several sequences back to back in one forward
-    (each from position 0, attending to its own tokens: the model's cu_seqlens) -> the logits
-    [N, V] of each one's last token. Packing keeps the matmuls long whatever the prompts' lengths:
-    a short prompt alone leaves most of the GPU idle (docs/benchmarks/serve-notes.md). On CUDA, up to
-    PACKED_SEQUENCES prompts of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of
-    the smallest token bucket that holds them (the padding written to the scratch slot); larger
-    packs, and every pack on the CPU, run eagerly (`fits`)."""
+    (each from position 0, attending to its own tokens) -> the logits [N, V] of each one's last
+    token. Packing keeps the matmuls long whatever the prompts' lengths: a short prompt alone leaves
+    most of the GPU idle (docs/benchmarks/serve-notes.md). On CUDA, up to PACKED_SEQUENCES prompts
+    of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of the smallest token bucket
+    that holds them (the padding written to the scratch slot); larger packs, and every pack on the
+    CPU, run eagerly (`fits`)."""
 
     def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool):
         self.model, self.cache = model, cache
-        self.buckets = prefill_buckets(min(PREFILL_GRAPH_TOKENS, model.config.max_position_embeddings)) if graph else []
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if graph:
-            device, T, N = model.lm_head.weight.device, self.buckets[-1], PACKED_SEQUENCES
-            self.ids = torch.zeros(1, T, dtype=torch.long, device=device)
-            self.positions = torch.zeros(1, T, dtype=torch.long, device=device)
-            self.cu_seqlens = torch.zeros(N + 1, dtype=torch.int32, device=device)
-            self.block_table = torch.zeros(N, table_width, dtype=torch.long, device=device)
-            # While capturing every sequence is empty and every token padding, written to scratch.
-            self.graphs = capture_buckets(self.buckets, self._forward, device)
+        self.max_len = model.config.max_position_embeddings
+        device = model.lm_head.weight.device
+        buckets = prefill_buckets(min(PREFILL_GRAPH_TOKENS, self.max_len))
+        T, N = buckets[-1], PACKED_SEQUENCES
+        self.ids = torch.zeros(T, dtype=torch.long, device=device) if graph else None
+        self.positions = torch.zeros(T, dtype=torch.long, device=device) if graph else None
+        self.cu_seqlens = torch.zeros(N + 1, dtype=torch.int32, device=device) if graph else None
+        self.block_table = torch.zeros(N, table_width, dtype=torch.long, device=device) if graph else None
+        # While capturing every sequence is empty and every token padding, written to scratch.
+        self.runner = GraphRunner(self._step, buckets, device, graph)
 
     def fits(self, n_tokens: int, n_sequences: int = 1) -> bool:
         """Whether a pack of n_sequences prompts of n_tokens in all is replayed from a graph."""
-        return bool(self.buckets) and n_tokens <= self.buckets[-1] and n_sequences <= PACKED_SEQUENCES
+        return self.runner.fits(n_tokens) and n_sequences <= PACKED_SEQUENCES
 
-    def _forward(self, T: int) -> torch.Tensor:
-        return self.model(self.ids[:, :T], self.positions[:, :T], cache=self.cache, last_only=True,
-                          block_table=self.block_table, cu_seqlens=self.cu_seqlens)[:, -1]
+    def _step(self, T: int) -> torch.Tensor:
+        meta = metadata.prefill(self.positions[:T], self.cu_seqlens, self.cache, self.block_table, T)
+        return self.model(self.ids[:T], self.positions[:T], meta)
 
     def __call__(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] of each prompt's last token, its keys and values written through its row of
@@ -283,23 +265,21 @@ class PagedPrefillStep:
         n, N = bounds[-1], len(prompts)
         ids = list(itertools.chain.from_iterable(prompts))
         positions = [p for length in lengths for p in range(length)]
+        device = block_table.device
         if not self.fits(n, N):
-            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=block_table.device)
-            return self.model(torch.tensor([ids], device=block_table.device),
-                              torch.tensor([positions], device=block_table.device), cache=self.cache,
-                              last_only=True, block_table=block_table, cu_seqlens=cu_seqlens)[:, -1]
-        T = next(b for b in self.buckets if b >= n)
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+            token_positions = torch.tensor(positions, device=device)
+            meta = metadata.prefill(token_positions, cu_seqlens, self.cache, block_table, max(lengths))
+            return self.model(torch.tensor(ids, device=device), token_positions, meta)
         # Queued behind the step in flight through pinned memory. Padding keeps earlier ids and
         # positions (any valid ones do); the bounds past the last sequence's end make empty sequences.
         staged = torch.tensor([ids, positions], pin_memory=True)
-        self.ids[0, :n].copy_(staged[0], non_blocking=True)
-        self.positions[0, :n].copy_(staged[1], non_blocking=True)
+        self.ids[:n].copy_(staged[0], non_blocking=True)
+        self.positions[:n].copy_(staged[1], non_blocking=True)
         bounds += [n] * (PACKED_SEQUENCES - N)
         self.cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32, pin_memory=True), non_blocking=True)
         self.block_table[:N, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
-        graph, logits = self.graphs[T]
-        graph.replay()
-        return logits[:N]
+        return self.runner(n)[:N]
 
 
 class Engine:
@@ -340,8 +320,8 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos = eos
         cuda_graph = resolve_cuda_graph(cuda_graph, self.device)
-        self.decode = PagedDecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
-        self.prefill = PagedPrefillStep(model, self.cache, self.table_width, cuda_graph)
+        self.decode = DecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
+        self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph)
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -488,7 +468,7 @@ class Engine:
         packs: list[list[Sequence]] = []
         pack_tokens = 0  # in the last pack
         for seq in sorted(admitted, key=lambda s: len(s.ids)):
-            joins = packs and (not self.prefill.buckets
+            joins = packs and (not self.prefill.runner.capture
                                or self.prefill.fits(pack_tokens + len(seq.ids), len(packs[-1]) + 1))
             if joins:
                 packs[-1].append(seq)
@@ -542,9 +522,9 @@ class Engine:
         self.peak_running = max(self.peak_running, len(seqs))
         rows = torch.tensor([s.row for s in seqs])
         device_rows = self._on_device(rows)
-        positions = self._on_device([[s.cached] for s in seqs])
+        positions = self._on_device([s.cached for s in seqs])
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
-        logits = self.decode(self.last_token[device_rows][:, None], positions,
+        logits = self.decode(self.last_token[device_rows], positions,
                              self._on_device(self.block_rows[rows, :width]))
         for s in seqs:
             s.cached += 1

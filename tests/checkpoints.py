@@ -46,6 +46,12 @@ def hf_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> 
     return spread_weights(transformers.Qwen3ForCausalLM(hf_config(**overrides))).to(dtype).eval()
 
 
+def prompts(lengths: list[int], vocab: int, seed: int = 0, low: int = 1) -> list[list[int]]:
+    """Seeded random prompts of these lengths, token ids in [low, vocab) (0 is the test models' pad)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
 def save(model: transformers.PreTrainedModel, directory: Path, max_shard_size: str | None = None) -> Path:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)

@@ -23,7 +23,7 @@ INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 
 # The references (transformers' rotary embedding) take cos and sin on the CPU too: settle MKL's
 # kernel choice before any multi-threaded first call can pick a low-accuracy one (see the function).
-from qwen3.model import settle_cpu_trig  # noqa: E402
+from qwen3.layers import settle_cpu_trig  # noqa: E402
 
 settle_cpu_trig()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")

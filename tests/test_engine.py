@@ -1,20 +1,16 @@
-"""The paged KV cache, paged decode attention and the continuous-batching engine, on the CPU.
+"""The continuous-batching engine (serve/engine.py), on the CPU.
 
-References: the contiguous KVCache / decode kernel (a paged read must see exactly what a
-contiguous one sees), the no-cache forward, and `model.generate` of each request alone (what
-a request must produce whatever runs beside it)."""
+Reference: `model.generate` of each request alone (what a request must produce whatever runs
+beside it); the cache and the forward through it are test_cache.py's."""
 
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import hf_model, save
+from checkpoints import hf_model, prompts, save
 from conftest import DEVICE, requires_cuda, use_path
-from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, relative_error
 
-from ops.attention.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
 from qwen3 import Qwen3ForCausalLM
-from runtime.cache import PagedKVCache
 from runtime.sampling import SamplingParams
 from runtime.text import load_tokenizer
 from serve.engine import Engine, QueueFull, Request
@@ -43,10 +39,6 @@ def model(checkpoint):
     return Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, device=DEVICE, progress=False)
 
 
-def prompts(lengths, vocab, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
-
 
 def alone(model, prompt, max_tokens, **kwargs):
     """The tokens model.generate gives this prompt by itself."""
@@ -63,165 +55,6 @@ def collect(engine, request):
 
 def tokens(outputs):
     return [t for o in outputs for t in o.token_ids]
-
-
-# ---- the paged cache ---------------------------------------------------------------------------
-
-
-def test_blocks_are_allocated_released_and_reused():
-    cache = PagedKVCache(1, n_blocks=5, block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=DEVICE)
-    assert cache.num_free == 5 and cache.blocks_for(9) == 3 and cache.blocks_for(8) == 2
-    a = cache.allocate(3)
-    b = cache.allocate(2)
-    assert sorted(a + b) == [0, 1, 2, 3, 4] and cache.num_free == 0
-    assert cache.allocate(1) is None and cache.num_free == 0  # out of blocks: nothing taken
-    cache.release(a)
-    assert cache.num_free == 3
-    assert sorted(cache.allocate(3)) == sorted(a)  # the freed blocks are handed out again
-    cache.release(b)
-    with pytest.raises(RuntimeError, match="released twice"):
-        cache.release(b)
-
-
-def test_slots_follow_the_block_table():
-    cache = PagedKVCache(1, n_blocks=6, block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=DEVICE)
-    table = torch.tensor([[5, 2, 0], [1, 3, 4]], device=DEVICE)
-    positions = torch.tensor([[0, 3, 4, 9], [2, 5, 11, 0]], device=DEVICE)
-    valid = torch.tensor([[True] * 4, [True, True, True, False]], device=DEVICE)
-    assert cache.slots(positions, valid, table).tolist() == [20, 23, 8, 1, 6, 13, 19, cache.scratch]
-
-
-def paged_copy(k_rows, v_rows, block_size, seed=0):
-    """The rows [B, S, K, hd] stored in shuffled blocks of a PagedKVCache, and their block table."""
-    B, S, K, hd = k_rows.shape
-    per_row = S // block_size
-    cache = PagedKVCache(1, B * per_row + 3, block_size, K, hd, k_rows.dtype, k_rows.device)
-    order = torch.randperm(cache.n_blocks, generator=torch.Generator().manual_seed(seed))[: B * per_row]
-    table = order.view(B, per_row).to(k_rows.device)
-    positions = torch.arange(S, device=k_rows.device).expand(B, S)
-    slots = cache.slots(positions, None, table)
-    cache.write(0, slots, k_rows, v_rows)
-    return cache, table
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B, S, splits", [(3, 96, 4), (4, 1024, 1)], ids=["many-slices", "one-slice-long-rows"])
-def test_paged_decode_attention_equals_contiguous(dtype, B, S, splits):
-    """The Triton kernel (interpreted on the CPU) reading keys through a block table gives the
-    bits it gives reading the same keys from contiguous rows, with many slices per row (64 keys
-    a loop trip) and with one slice of rows that can be long (128 in 16 bits); so does the torch
-    path (gather)."""
-    H, K, hd, block = 4, 2, 32, 16
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(B, H, hd, generator=gen).to(DEVICE, dtype)
-    k_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
-    v_rows = torch.randn(B, S, K, hd, generator=gen).to(DEVICE, dtype)
-    seq_lens = torch.tensor([1, 50, 96] if B == 3 else [1, 200, 777, 1024], device=DEVICE)
-    long_steps = S == 1024 and dtype == torch.bfloat16
-    steps = keys_per_step(splits, S, dtype, hd, shared_memory_per_program(DEVICE))
-    assert steps == (128 if long_steps else 64)
-    cache, table = paged_copy(k_rows, v_rows, block)
-    k_blocks, v_blocks = cache.blocks(0)
-    contiguous = decode_attention(q, k_rows, v_rows, seq_lens, hd**-0.5, splits=splits)
-    paged = decode_attention(q, k_blocks, v_blocks, seq_lens, hd**-0.5, block_table=table, splits=splits)
-    assert torch.equal(paged, contiguous)
-    k_gathered, v_gathered = cache.gather(0, table)
-    assert torch.equal(k_gathered, k_rows) and torch.equal(v_gathered, v_rows)
-    with pytest.raises(ValueError, match="block_table must be"):
-        decode_attention(q, k_blocks, v_blocks, seq_lens, 1.0, block_table=table[:2])
-
-
-@pytest.mark.parametrize("path", ["reference", "fused"])
-def test_paged_forward_equals_the_full_forward(model, path):
-    """Two rows prefilled one at a time into scattered blocks, then decoded together one token
-    per step at their own positions: every step's logits equal the no-cache forward's, on the
-    torch path (gather + SDPA) and the fused one (the paged Triton kernel)."""
-    use_path(model, path)
-    rows = prompts([7, 3], model.config.vocab_size, seed=2)
-    more = prompts([6, 6], model.config.vocab_size, seed=3)
-    cache = PagedKVCache.for_model(model, n_blocks=12, block_size=4)
-    tables = [[9, 2, 11, 0, 5], [4, 7, 1, 10, 3]]
-    try:
-        with torch.no_grad():
-            for row, table in zip(rows, tables):
-                n = len(row)
-                model(torch.tensor([row], device=DEVICE), torch.arange(n, device=DEVICE)[None], cache=cache,
-                      block_table=torch.tensor([table], device=DEVICE))
-            table = torch.tensor(tables, device=DEVICE)
-            steps = []
-            for t in range(6):
-                ids = torch.tensor([[more[0][t]], [more[1][t]]], device=DEVICE)
-                positions = torch.tensor([[len(rows[0]) + t], [len(rows[1]) + t]], device=DEVICE)
-                steps.append(model(ids, positions, cache=cache, block_table=table)[:, 0])
-            for i in range(2):
-                full = model(torch.tensor([rows[i] + more[i]], device=DEVICE))[0, len(rows[i]) :]
-                torch.testing.assert_close(torch.stack([s[i] for s in steps]), full, rtol=LOGITS_FP32_RTOL,
-                                           atol=LOGITS_FP32_ATOL)
-            with pytest.raises(ValueError, match="needs a block_table"):
-                model(ids, positions, cache=cache)
-    finally:
-        use_path(model, None)
-
-
-@pytest.mark.parametrize("path", ["reference", "fused"])
-def test_packed_prompts_equal_each_prompt_alone_in_transformers(model, path):
-    """Three prompts packed into one forward (cu_seqlens, padding and an empty sequence at the
-    end) into scattered blocks: each one's last-token logits equal transformers' for the prompt
-    alone, and so do the logits of a next token decoded through the cache the packed forward
-    wrote (fp32: SDPA per sequence; torch path and the fused kernels of the triton one)."""
-    reference = hf_model(seed=5, num_hidden_layers=2).to(DEVICE)  # the `model` fixture's checkpoint
-    rows = prompts([5, 1, 8], model.config.vocab_size, seed=9)
-    nexts = [row[0] for row in prompts([1, 1, 1], model.config.vocab_size, seed=10)]
-    cache = PagedKVCache.for_model(model, n_blocks=12, block_size=4)
-    table = torch.tensor([[3, 8, 0], [11, 5, 6], [1, 9, 4], [7, 2, 10]], device=DEVICE)
-    ids = sum(rows, []) + [0, 0]  # two padding tokens
-    positions = [p for row in rows for p in range(len(row))] + [0, 0]
-    cu_seqlens = torch.tensor([0, 5, 6, 14, 14], dtype=torch.int32, device=DEVICE)
-    use_path(model, path)
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids], device=DEVICE), torch.tensor([positions], device=DEVICE), cache=cache,
-                           last_only=True, block_table=table, cu_seqlens=cu_seqlens)
-            step = model(torch.tensor([[t] for t in nexts], device=DEVICE),
-                         torch.tensor([[len(row)] for row in rows], device=DEVICE), cache=cache, block_table=table[:3])
-            for i, row in enumerate(rows):
-                want = reference(torch.tensor([row + [nexts[i]]], device=DEVICE)).logits[0]
-                torch.testing.assert_close(logits[i, 0], want[-2], rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
-                torch.testing.assert_close(step[i, 0], want[-1], rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
-            assert logits.shape[0] == 4  # a row of logits per sequence, the empty one's included
-            with pytest.raises(ValueError, match="packed sequences take"):
-                model(torch.tensor([ids, ids], device=DEVICE), cache=cache, block_table=table, cu_seqlens=cu_seqlens,
-                      positions=torch.zeros(2, 16, dtype=torch.long, device=DEVICE))
-            with pytest.raises(ValueError, match="packed sequences take"):  # positions restart: no default
-                model(torch.tensor([ids], device=DEVICE), cu_seqlens=cu_seqlens)
-    finally:
-        use_path(model, None)
-
-
-@requires_cuda
-def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
-    """On the GPU in bf16 a pack of prompts runs varlen flash attention, replayed from the graph of
-    its token bucket (the pack's unused sequences empty; a second, smaller pack after a larger
-    one, so that its padding holds the first one's ids and positions): each prompt's last-token
-    logits, and those of a next token decoded through the cache the pack wrote, match
-    transformers' bf16 forward of the prompt alone."""
-    model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, device=DEVICE, progress=False)
-    reference = hf_model(seed=5, num_hidden_layers=2, dtype=torch.bfloat16).to(DEVICE)
-    engine = Engine(model, max_batch=4, n_blocks=32, block_size=16)
-    for seed, lengths in ((12, [40, 1, 23]), (14, [5, 13])):
-        rows = prompts(lengths, model.config.vocab_size, seed=seed)
-        nexts = [row[0] for row in prompts([1] * len(rows), model.config.vocab_size, seed=seed + 1)]
-        table = torch.tensor([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(rows))], device=DEVICE)
-        assert engine.prefill.fits(sum(lengths), len(rows))
-        with torch.inference_mode():
-            logits = engine.prefill(rows, table).clone()
-            step = model(torch.tensor([[t] for t in nexts], device=DEVICE),
-                         torch.tensor([[len(row)] for row in rows], device=DEVICE), cache=engine.cache,
-                         block_table=table)
-            for i, row in enumerate(rows):
-                want = reference(torch.tensor([row + [nexts[i]]], device=DEVICE)).logits[0]
-                assert relative_error(logits[i], want[-2]) < LOGITS_BF16_REL
-                assert relative_error(step[i, 0], want[-1]) < LOGITS_BF16_REL
 
 
 # ---- the engine --------------------------------------------------------------------------------
@@ -266,9 +99,9 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     # Eager prefills (a GPU would replay each pack from a graph: test_graphed_engine_equals_eager_engine)
     engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens, cuda_graph=False)
     outputs = [collect(engine, r) for r in requests]
-    prefills = []  # tokens of each forward of more than one token: the packed prefills
+    prefills = []  # tokens of each forward of sequences from their start: the packed prefills
     hook = model.register_forward_pre_hook(
-        lambda module, args: prefills.append(args[0].shape[1]) if args[0].shape[1] > 1 else None)
+        lambda module, args: prefills.append(args[0].shape[0]) if args[2].from_start else None)
     per_step = []
     try:
         while engine.waiting or not per_step:

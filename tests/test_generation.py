@@ -2,12 +2,10 @@
 
 import pytest
 import torch
-from checkpoints import hf_model, save
+from checkpoints import hf_model, prompts, save
 from conftest import DEVICE, INTERPRETED, requires_cuda, use_path
-from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
-from runtime.cache import KVCache
 from runtime.generate import pad_left
 
 NEW_TOKENS = 40
@@ -26,10 +24,6 @@ def models(tmp_path_factory):
     ours = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, device=DEVICE, progress=False)
     return reference, ours
 
-
-def prompts(lengths, vocab, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 def left_pad(rows, pad=0):
@@ -67,47 +61,6 @@ def test_greedy_equals_transformers_batched_left_padded(models, path):
     finally:
         use_path(ours, None)
     assert torch.equal(actual, expected)
-
-
-@pytest.mark.parametrize("path", ["reference", "fused"])
-def test_cached_logits_equal_the_full_forward_at_every_step(models, path):
-    """Prefill 10 tokens, then one at a time, at explicit positions: each step's logits equal the
-    no-cache forward's, on the unfused path (torch) and the fused one (Triton kernels)."""
-    _, ours = models
-    use_path(ours, path)
-    T = 10 + new_tokens(path, 20)
-    ids = torch.tensor(prompts([T], ours.config.vocab_size, seed=2), device=DEVICE)
-    positions = torch.arange(T, device=DEVICE)[None]
-    try:
-        with torch.no_grad():
-            full = ours(ids)
-            cache = KVCache.for_model(ours, batch=1, max_len=T)
-            pieces = [ours(ids[:, :10], positions[:, :10], cache=cache)]
-            pieces += [ours(ids[:, t : t + 1], positions[:, t : t + 1], cache=cache) for t in range(10, T)]
-            with pytest.raises(ValueError, match="KV cache is full"):
-                ours(ids[:, :1], positions[:, :1] + T, cache=cache)
-    finally:
-        use_path(ours, None)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
-
-
-def test_continuing_a_cache_with_several_tokens_at_once(models):
-    """A second chunk of several tokens after a first (a chat's next turn): it attends to the
-    cached chunk through the cache, in rows of different lengths, as the no-cache forward does."""
-    _, ours = models
-    rows = prompts([7, 4], ours.config.vocab_size, seed=9)
-    more = prompts([5, 5], ours.config.vocab_size, seed=10)
-    ids, mask = left_pad(rows)
-    cache = KVCache.for_model(ours, batch=2, max_len=12)
-    with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ours(ids, positions, cache=cache, attention_mask=mask)
-        lengths = mask.sum(1, keepdim=True)
-        chunk = ours(torch.tensor(more, device=DEVICE), lengths + torch.arange(5, device=DEVICE), cache=cache)
-        for i in range(2):
-            whole = ours(torch.tensor([rows[i] + more[i]], device=DEVICE))
-            torch.testing.assert_close(chunk[i], whole[0, len(rows[i]) :], rtol=LOGITS_FP32_RTOL,
-                                       atol=LOGITS_FP32_ATOL)
 
 
 @pytest.mark.parametrize("path", ["reference", "fused"])

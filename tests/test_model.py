@@ -18,7 +18,10 @@ from transformers.models.qwen3 import modeling_qwen3 as hf
 
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
 from qwen3 import model as ours
-from runtime.generate import warm_up_on_a_side_stream
+from qwen3.attention import Attention, token_batch
+from qwen3.layers import MLP, RMSNorm, RotaryEmbedding
+from runtime import metadata
+from runtime.graphs import warm_up_on_a_side_stream
 
 
 def our_config(hf_cfg, path="reference") -> Qwen3Config:
@@ -41,6 +44,19 @@ def hidden(B=2, T=11, D=64, dtype=torch.float32, seed=0):
     return torch.randn(B, T, D, generator=gen).to(device=DEVICE, dtype=dtype)
 
 
+def rows_batch(config: Qwen3Config, B: int, T: int, dtype, fused: bool):
+    """The TokenBatch of B rows of T tokens from position 0 (the plain forward's), our layers' input."""
+    positions = metadata.rows_positions(B, T, DEVICE)
+    return token_batch(metadata.plain(B, T, DEVICE), positions, RotaryEmbedding(config), dtype, fused)
+
+
+def hf_rotary(config: Qwen3Config, B: int, T: int, dtype):
+    """transformers' layers' position_embeddings for rows from position 0, from our tables (equal:
+    test_rotary_embedding)."""
+    positions = torch.arange(T, device=DEVICE).expand(B, T)
+    return RotaryEmbedding(config)(positions, dtype)
+
+
 # ------------------------------------------------------------------------------ layer by layer
 
 
@@ -58,7 +74,7 @@ def hidden(B=2, T=11, D=64, dtype=torch.float32, seed=0):
 def test_rotary_embedding(rope, dtype):
     cfg = hf_config(**rope)
     theirs = hf.Qwen3RotaryEmbedding(cfg).to(DEVICE)
-    mine = ours.RotaryEmbedding(our_config(cfg))
+    mine = RotaryEmbedding(our_config(cfg))
     positions = torch.tensor([[0, 1, 2, 500, 511], [7, 8, 9, 10, 11]], device=DEVICE)  # up to P - 1
     x = torch.empty(1, dtype=dtype, device=DEVICE)
     cos, sin = mine(positions, dtype)
@@ -78,15 +94,14 @@ def test_attention(dtype, heads, bias, fused):
         for p in theirs.parameters():
             p.normal_(0, 0.1) if p.dim() > 1 or p.shape[0] != 24 else p.copy_(1 + 0.2 * torch.randn_like(p))
     config = our_config(cfg, "fused" if fused else "reference")
-    mine = ours.Attention(config, layer_idx=0).to(DEVICE, dtype)
+    mine = Attention(config, layer_idx=0).to(DEVICE, dtype)
     mine.load_state_dict(theirs.state_dict())  # q_proj, k_proj, v_proj stacked into qkv_proj
     x = hidden(dtype=dtype)
-    positions = torch.arange(x.shape[1], device=DEVICE).expand(x.shape[0], -1)
-    rotary = ours.RotaryEmbedding(config)
+    B, T, D = x.shape
     with torch.no_grad():
-        expected = theirs(x, rotary(positions, dtype), hf_causal_mask(x.shape[1], dtype))[0]
-        actual = mine(x, ours.prepare_batch(rotary, positions, dtype, fused))
-    assert_layer_close(actual, expected)
+        expected = theirs(x, hf_rotary(config, B, T, dtype), hf_causal_mask(T, dtype))[0]
+        actual, _ = mine(x.view(B * T, D), rows_batch(config, B, T, dtype, fused))
+    assert_layer_close(actual.view(B, T, D), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,11 +110,11 @@ def test_mlp(dtype, fused):
     cfg = hf_config()
     torch.manual_seed(2)
     theirs = hf.Qwen3MLP(cfg).to(DEVICE, dtype)
-    mine = ours.MLP(our_config(cfg)).to(DEVICE, dtype)
+    mine = MLP(our_config(cfg)).to(DEVICE, dtype)
     mine.load_state_dict(theirs.state_dict())  # gate_proj, up_proj stacked into gate_up_proj
     x = hidden(dtype=dtype)
     with torch.no_grad():
-        assert_layer_close(mine(x, fused), theirs(x))
+        assert_layer_close(mine(x.view(-1, x.shape[-1]), fused)[0].view(x.shape), theirs(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,14 +131,12 @@ def assert_decoder_layer_matches(model, dtype: torch.dtype, path: str) -> ours.D
     mine = ours.DecoderLayer(cfg, layer_idx=0).to(DEVICE, dtype)
     mine.load_state_dict(theirs.state_dict())
     x = hidden(dtype=dtype)
-    positions = torch.arange(x.shape[1], device=DEVICE).expand(x.shape[0], -1)
-    rotary = ours.RotaryEmbedding(cfg)
+    B, T, D = x.shape
     with torch.no_grad():
-        expected = theirs(x, attention_mask=hf_causal_mask(x.shape[1], dtype),
-                          position_embeddings=rotary(positions, dtype))
+        expected = theirs(x, attention_mask=hf_causal_mask(T, dtype), position_embeddings=hf_rotary(cfg, B, T, dtype))
         expected = expected[0] if isinstance(expected, tuple) else expected
-        h, residual = mine(x, None, ours.prepare_batch(rotary, positions, dtype, fused=path == "fused"))
-    assert_layer_close(h + residual, expected)
+        h, residual = mine(x.view(B * T, D), None, rows_batch(cfg, B, T, dtype, fused=path == "fused"))
+    assert_layer_close((h + residual).view(B, T, D), expected)
     return mine
 
 
@@ -324,7 +337,7 @@ def test_whole_decoder_compiles_to_one_graph_with_triton_norms():
     # Each norm is an autograd Function: the op node lies in the Function's forward subgraph.
     graphs = [m.graph for m in explanation.graphs[0].modules() if isinstance(m, torch.fx.GraphModule)]
     nodes = [n for graph in graphs for n in graph.nodes if n.target in norm_ops]
-    assert len(nodes) == sum(isinstance(m, ours.RMSNorm) for m in model.modules())  # one node per norm
+    assert len(nodes) == sum(isinstance(m, RMSNorm) for m in model.modules())  # one node per norm
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
 
     def logits_and_grads(forward):

@@ -9,7 +9,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ops import fused_add_rms_norm, rms_norm
 from ops.norm import rmsnorm_triton as tri
-from runtime.generate import warm_up_on_a_side_stream
+from runtime.graphs import warm_up_on_a_side_stream
 
 # Inductor on a GPU; on the CPU the traced graph runs eagerly (Inductor's CPU code is not what is tested).
 COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
