@@ -6,7 +6,6 @@ message that says why, never run wrongly.
 """
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -16,25 +15,6 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # The sizes a config.json must state; every other field has Qwen3's default, as in transformers.
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_MODELS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type: architecture
-# What computes the model's inference steps: "fused", the Triton kernels of ops/ (a projection with
-# the norm in front, q/k-norm + RoPE + cache write, decode attention, the fused MoE); "reference",
-# transformers' operations one by one; "auto": fused on CUDA, reference elsewhere. Training (autograd)
-# always takes the reference operations, whose every norm is the norm_impl's.
-KERNELS = ("auto", "fused", "reference")
-
-
-def resolve_kernels(kernels: str, device) -> str:
-    """The concrete choice `kernels` means for a model on `device` ("fused" or "reference")."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    if kernels == "auto":
-        return "fused" if device.type == "cuda" else "reference"
-    if kernels == "fused" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernels='fused' needs a CUDA device (got {device}); to run the Triton kernels on the "
-                         "CPU set TRITON_INTERPRET=1 before triton is imported, or use kernels='reference'")
-    return kernels
-
-
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151936
@@ -56,7 +36,7 @@ class Qwen3Config:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     norm_impl: str = "auto"  # "auto" | "torch" | "triton" | "cuda": every RMSNorm module in the model
-    kernels: str = "auto"  # "auto" | "fused" | "reference" (KERNELS): what computes inference steps
+    kernels: str = "auto"  # "auto" | "fused" | "reference" (ops.KERNELS): what computes inference steps
 
     # Mixture of experts (Qwen3-MoE, model_type "qwen3_moe"); num_experts = 0: every MLP is dense.
     # Layer i is sparse unless i is in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
@@ -70,8 +50,8 @@ class Qwen3Config:
     def __post_init__(self) -> None:
         if self.norm_impl not in ops.IMPLS:
             raise ValueError(f"norm_impl must be one of {ops.IMPLS}, got {self.norm_impl!r}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.kernels not in ops.KERNELS:
+            raise ValueError(f"kernels must be one of {ops.KERNELS}, got {self.kernels!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "

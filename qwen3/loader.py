@@ -18,7 +18,7 @@ from tqdm import tqdm
 import ops
 from runtime.sampling import sampling_params
 
-from .config import Qwen3Config, resolve_kernels
+from .config import Qwen3Config
 from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
@@ -168,7 +168,7 @@ def load_model(
     dtype = resolve_dtype(dtype, device, config.dtype)
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
-    resolve_kernels(config.kernels, device)
+    ops.resolve_kernels(config.kernels, device)
     tp = None
     if tensor_parallel:  # refuses a missing process group and a model that does not split
         device = resolve_parallel_device(device)

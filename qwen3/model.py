@@ -27,13 +27,13 @@ fused path, for inference, runs a projection with the norm in front, attention's
 import torch
 from torch import nn
 
-from ops import IMPLS
+from ops import IMPLS, KERNELS, resolve_kernels
 from runtime import metadata
 from runtime.checks import check_in_vocab, check_input_ids
 from runtime.metadata import AttentionMetadata
 
 from .attention import Attention, TokenBatch, static_shapes, token_batch
-from .config import KERNELS, Qwen3Config, resolve_kernels
+from .config import Qwen3Config
 from .layers import MLP, FusedLinear, RMSNorm, RotaryEmbedding
 from .moe import Experts, SparseMoeBlock, is_sparse_layer
 from .parallel import TensorParallel, VocabParallelEmbedding, all_reduce, gather_vocab

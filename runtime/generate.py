@@ -16,21 +16,26 @@ host waits for that copy only (an event), while the GPU computes the next step, 
 wait for everything queued, the next step too, and leave the GPU idle while the host queues the
 one after.
 
-Under tensor parallelism every rank runs this same loop: the forward ends with the full logits
-on every rank, and each samples from them with the same seed (drawn on rank 0 when the caller
-gives none), so all ranks choose the same tokens, stop at the same step and stay in step for
-the next collective. The captured decode step holds the all-reduces.
+Each row samples from a stream of its own (runtime/sampler.py): with a seed, every row's is that
+seed's, so a row samples what its prompt samples alone; without one, each row gets a seed of its
+own. Under tensor parallelism every rank runs this same loop: the forward ends with the full
+logits on every rank, and each samples from them with the same seeds (rank 0's when the caller
+gives none), so all ranks choose the same tokens, stop at the same step and stay in step for the
+next collective. The captured decode step holds the all-reduces.
 """
 
 from collections.abc import Callable
 
 import torch
 
+from ops import resolve_kernels
+
 from . import metadata
 from .cache import PagedKVCache
 from .checks import check_in_vocab, check_input_ids
 from .graphs import GraphRunner, resolve_cuda_graph
-from .sampling import SamplingParams, next_token, problem, sampling_params
+from .sampler import Sampler, random_seed
+from .sampling import SamplingParams, problem, sampling_params
 
 # Tokens per block of generate's cache: a row's blocks are its own and in order, so a large block
 # keeps each key step of the decode kernel inside one block (contiguous reads), one table entry
@@ -56,30 +61,32 @@ def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class TokenChoice:
-    """Picks each step's token per row from its logits and keeps the stop state, all on the
-    device: the step count, each row's stop step, and the tokens seen (for the penalties). A row
+    """Picks each step's token per row from its logits (the batched Sampler: each row its own stream)
+    and keeps the stop state, all on the device: the step count and each row's stop step. A row
     that has stopped gets `pad`. Calls must come in step order (the prefill's first)."""
 
     NEVER = torch.iinfo(torch.long).max  # finished_at of a row still running
 
     def __init__(self, input_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int, params: SamplingParams,
-                 generator: torch.Generator | None, eos: torch.Tensor, pad: int):
+                 seeds: list[int], eos: torch.Tensor, pad: int, fused: bool):
         B, device = input_ids.shape[0], input_ids.device
-        self.params, self.generator, self.eos, self.pad = params, generator, eos, pad
+        self.eos, self.pad = eos, pad
+        self.sampler = Sampler(B, vocab_size, device, penalties=params.penalized)
+        for row, seed in enumerate(seeds):
+            self.sampler.set_row(row, params, seed, input_ids[row][valid[row]] if params.penalized else ())
+        self.how = Sampler.how([params], fused)
         self.rows = torch.arange(B, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)  # the step the next call chooses for
         self.finished_at = torch.full((B,), self.NEVER, dtype=torch.long, device=device)  # step of each row's stop
-        self.seen = None
-        if params.penalized:  # [B, V]: tokens in the prompt or generated so far
-            self.seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-            self.seen.scatter_(1, input_ids.masked_fill(~valid, 0), valid)
+
+    def peek(self, logits: torch.Tensor) -> torch.Tensor:
+        """The tokens [B] a call would choose, with no state advanced (a warm-up before a capture)."""
+        return self.sampler.choose(logits, self.rows, self.how)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Tokens [B] for this step from logits [B, V]."""
-        new = next_token(logits, self.seen, self.params, self.generator)
+        new = self.sampler(logits, self.rows, self.how)
         new = torch.where(self.finished_at < self.step, self.pad, new)  # rows already stopped are padded
-        if self.seen is not None:
-            self.seen[self.rows, new] |= self.finished_at >= self.step
         # Written with where: isin and a masked_fill by a tensor value read back to the host,
         # which a captured graph cannot do.
         stops = (self.finished_at == self.NEVER) & (new[:, None] == self.eos[None, :]).any(-1)
@@ -153,10 +160,7 @@ def generate(
     if not 0 <= pad < config.vocab_size:
         raise ValueError(f"pad_token_id must be a token id in [0, {config.vocab_size}), got {pad}")
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    tp = getattr(model, "tp", None)
-    if seed is None and not params.greedy and tp is not None:
-        seed = tp.shared_seed()  # tensor-parallel ranks sample alike: the same logits, the same seed
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    seeds = row_seeds(seed, B, getattr(model, "tp", None))
 
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
@@ -168,7 +172,8 @@ def generate(
     if max_new_tokens == 0:
         return input_ids
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    choose = TokenChoice(input_ids, valid, config.vocab_size, params, generator, eos, pad)
+    fused = resolve_kernels(config.kernels, device) == "fused"
+    choose = TokenChoice(input_ids, valid, config.vocab_size, params, seeds, eos, pad, fused)
     lengths = valid.sum(1)  # [B]: each row's tokens
     longest = int(lengths.max())
     per_row = -(-(longest + max_new_tokens) // BLOCK_SIZE)
@@ -220,6 +225,15 @@ def generate(
     return torch.cat([input_ids, host_tokens[:n].T.to(device)], dim=1)
 
 
+def row_seeds(seed: int | None, B: int, tp) -> list[int]:
+    """Each row's seed: the caller's for every row (so that each row samples what its prompt samples
+    alone), else one of its own per row. Tensor-parallel ranks sample alike: rank 0's seeds."""
+    if seed is not None:
+        return [seed] * B
+    base = tp.shared_seed() if tp is not None else random_seed()
+    return [(base + row) % 2**63 for row in range(B)]
+
+
 def prefill(model, input_ids: torch.Tensor, valid: torch.Tensor, unpadded: bool, cache: PagedKVCache,
             tables: torch.Tensor, longest: int) -> torch.Tensor:
     """Each row's tokens (valid [B, T]) written to its blocks from position 0 -> the logits [B, V] of
@@ -255,7 +269,6 @@ def decode_steps(model, cache: PagedKVCache, tables: torch.Tensor, choose: "Toke
         positions.add_(1)
         return tokens
 
-    # The warm-up runs the forward alone: it writes the cache slots the first replay writes again,
-    # and leaves the choice's state (its step, its random draws) as it was.
-    generators = [choose.generator] if choose.generator is not None else []
-    return GraphRunner(step, [ids.shape[0]], ids.device, cuda_graph, warm_up=forward, generators=generators)
+    # The warm-up runs the forward and the choice without advancing anything: it writes the cache
+    # slots the first replay writes again, and leaves the choice's state (steps, stops) as it was.
+    return GraphRunner(step, [ids.shape[0]], ids.device, cuda_graph, warm_up=lambda B: choose.peek(forward(B)))

@@ -42,10 +42,9 @@ def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
 
 class GraphRunner:
     def __init__(self, step: Callable[[int], object], buckets: Sequence[int], device: torch.device, capture: bool,
-                 warm_up: Callable[[int], object] | None = None, generators: Sequence[torch.Generator] = ()):
+                 warm_up: Callable[[int], object] | None = None):
         """warm_up(size): what runs before a capture (default: step), for a step whose state must
-        not advance twice; generators: random generators the step draws from, whose state each
-        replay advances (registered with every graph)."""
+        not advance twice: it must launch every kernel the step launches."""
         self.step, self.buckets, self.capture = step, sorted(buckets), capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         if not capture:
@@ -55,8 +54,6 @@ class GraphRunner:
             for size in reversed(self.buckets):
                 warm_up_on_a_side_stream(lambda size=size: (warm_up or step)(size))
                 graph = torch.cuda.CUDAGraph()
-                for generator in generators:
-                    graph.register_generator_state(generator)
                 with torch.cuda.graph(graph, pool=pool):
                     out = step(size)
                 self.graphs[size] = (graph, out)

@@ -1,13 +1,12 @@
-"""Next-token choice from logits: penalties, temperature, top-k, top-p, min-p, then a draw.
+"""Sampling parameters: what each one must be, a request's values, and where unset ones come from.
 
-The order is transformers': repetition/presence penalties, temperature, top-k, top-p, min-p.
-Temperature 0 means greedy (argmax of the penalized logits).
+The filters are transformers', applied in its order (runtime/sampler.py, ops/sampling/):
+repetition/presence penalties, temperature, top-k, top-p, min-p. Temperature 0 means greedy
+(the argmax of the penalized logits).
 """
 
 import math
 from dataclasses import dataclass, fields
-
-import torch
 
 
 def _finite(value) -> bool:
@@ -64,57 +63,6 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether tokens already in the sequence change the logits (so they must be tracked)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-
-
-def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [B, V] fp32; seen [B, V] bool marks tokens in the prompt or generated so far."""
-    if params.repetition_penalty != 1.0:
-        penalized = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if params.presence_penalty != 0.0:
-        logits = logits - params.presence_penalty * seen.to(logits.dtype)
-    return logits
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p; filtered tokens get -inf. Keeps >= 1 token per row."""
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens before it already hold top_p: the one that crosses stays in.
-        drop_sorted = probs.cumsum(-1) - probs > params.top_p
-        drop_sorted[..., 0] = False
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-    return logits
-
-
-def next_token(
-    logits: torch.Tensor, seen: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """Token ids [B] chosen from logits [B, V]."""
-    logits = apply_penalties(logits.float(), seen, params)
-    if params.greedy:
-        return logits.argmax(-1)
-    return draw(filter_logits(logits, params).softmax(-1), generator)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of probs [B, V], drawn with probability probs[b, i]: argmax of
-    probs / q with q ~ Exp(1) per entry (the first of independent exponential clocks to ring).
-    It is torch.multinomial(probs, 1)'s own algorithm, the same draws from the same generator,
-    without the check that first reads the probabilities back to the host: that wait for the GPU
-    would come once a token and leave the GPU idle while the host queues the next step. So a row
-    that is not a distribution (NaN logits from a broken model) yields some token instead of an
-    error."""
-    clocks = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / clocks).argmax(-1)
 
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.

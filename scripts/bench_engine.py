@@ -1,11 +1,14 @@
 """The serving engine alone, in one process (no HTTP): where a served level's time goes.
 
-    python scripts/bench_engine.py --config 0.6b --concurrency 20 256
+    python scripts/bench_engine.py --config 0.6b --concurrency 20 256 \
+        --temperature 0 0.6 1.0 --top-p 1 0.95 0.95 --top-k 0 20 0
 
 Drives serve/engine.py's Engine as the server's engine process does, with the load of
-scripts/bench_serve.py: c clients, each sending --requests-per-client greedy requests one after
+scripts/bench_serve.py: c clients, each sending --requests-per-client requests one after
 another (random prompt ids of --prompt-min to --prompt-max tokens, --output tokens each, no stop
-token), on one engine of max_batch c. Prints per level: generated tok/s, time to first token
+token), on one engine of max_batch c. Each sampling setting (--temperature, --top-p, --top-k, the
+i-th values together; a single value serves every setting; temperature 0 is greedy) runs every
+level, each request with a seed of its own. Prints per level: generated tok/s, time to first token
 (from the request's admission to the queue to its first token's output), steps, and the host's
 time per step in the engine's phases: admitting and launching prefills, launching the decode
 step, and reading back the previous step's tokens, of which waiting for the GPU. A host that
@@ -25,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_generate import build, sync  # noqa: E402
+from bench_serve import sampling_settings  # noqa: E402
 
 from runtime.sampling import SamplingParams  # noqa: E402
 from serve.engine import Engine, Request  # noqa: E402
@@ -58,7 +62,7 @@ def timed_phases(engine: Engine) -> dict[str, float]:
     return spent
 
 
-def level(engine: Engine, concurrency: int, args, rng: random.Random, profile_steps: int) -> dict:
+def level(engine: Engine, concurrency: int, sampling: dict, args, rng: random.Random, profile_steps: int) -> dict:
     vocab = engine.model.config.vocab_size
     jobs = [[[rng.randrange(vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
              for _ in range(args.requests_per_client)] for _ in range(concurrency)]
@@ -78,7 +82,8 @@ def level(engine: Engine, concurrency: int, args, rng: random.Random, profile_st
                 generated[0] += out.completion_tokens
                 send(client)
 
-        engine.add(Request(jobs[client].pop(), args.output, SamplingParams(temperature=0.0), eos_ids=()), on_output)
+        engine.add(Request(jobs[client].pop(), args.output, SamplingParams(**sampling), seed=rng.randrange(2**63),
+                           eos_ids=()), on_output)
 
     engine_events = torch.cuda.Event
     spent = timed_phases(engine)
@@ -102,7 +107,7 @@ def level(engine: Engine, concurrency: int, args, rng: random.Random, profile_st
     sync()
     wall = time.perf_counter() - start
     torch.cuda.Event = engine_events
-    result = dict(concurrency=concurrency, requests=len(ttft), total_tok_s=round(generated[0] / wall),
+    result = dict(concurrency=concurrency, **sampling, requests=len(ttft), total_tok_s=round(generated[0] / wall),
                   ttft_ms_p50=round(statistics.median(ttft) * 1e3, 1), steps=steps, wall_s=round(wall, 2),
                   **{f"{name.strip('_')}_ms_per_step": round(spent[name] / steps * 1e3, 3)
                      for name in (*PHASES, "wait")})
@@ -131,6 +136,9 @@ def main() -> None:
     p.add_argument("--prompt-min", type=int, default=128)
     p.add_argument("--prompt-max", type=int, default=1024)
     p.add_argument("--output", type=int, default=256)
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0: greedy")
+    p.add_argument("--top-p", type=float, nargs="+", default=[1.0])
+    p.add_argument("--top-k", type=int, nargs="+", default=[0])
     p.add_argument("--prefill-tokens", type=int, default=None, help="the engine's prefill_tokens (default: its own)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps of the last level")
     p.add_argument("--seed", type=int, default=0)
@@ -139,11 +147,14 @@ def main() -> None:
     device = torch.device(args.device)
     _, model = build(args.config, device, torch.bfloat16, "auto")
     rng = random.Random(args.seed)
+    settings = sampling_settings(args)
     for i, concurrency in enumerate(args.concurrency):
         n_blocks = concurrency * -(-(args.prompt_max + args.output) // 16)
         extra = {} if args.prefill_tokens is None else dict(prefill_tokens=args.prefill_tokens)
         engine = Engine(model, max_batch=concurrency, n_blocks=n_blocks, **extra)
-        level(engine, concurrency, args, rng, args.profile if i == len(args.concurrency) - 1 else 0)
+        for j, sampling in enumerate(settings):
+            last = i == len(args.concurrency) - 1 and j == len(settings) - 1
+            level(engine, concurrency, sampling, args, rng, args.profile if last else 0)
         del engine
 
 

@@ -6,7 +6,9 @@ For each model (the real Qwen3 architectures, transformers' random init, bf16, b
 device: nothing is downloaded or written to disk) and each batch size: a random prompt of
 --prompt tokens per row, --new greedy tokens, no stop token. Engines:
   ours               model.generate as a user calls it (on CUDA: decode steps from a CUDA graph)
-  ours_eager         the same with cuda_graph=False
+  ours_sampled       the same, sampling with the shipped model's settings (SAMPLED: temperature 0.6,
+                     top-k 20, top-p 0.95, repetition penalty 1.1) instead of greedily
+  ours_eager         the same as ours with cuda_graph=False
   hf_eager           transformers' generate (SDPA attention, dynamic cache)
   hf_static_compile  transformers' generate with cache_implementation="static" (compiled forward)
 decode_tok_s = rows x decode steps / time, leaving out the prefill (ours: from the timestamps of
@@ -160,12 +162,16 @@ def build(name: str, device, dtype, norm: str):
     return hf, ours_from_hf(hf, norm)
 
 
-def time_ours(model, ids, new, cuda_graph):
-    """(prefill ms, decode steps per second) of one greedy generate call."""
+GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95, repetition_penalty=1.1)  # the shipped generation_config's
+
+
+def time_ours(model, ids, new, cuda_graph, sampling=GREEDY):
+    """(prefill ms, decode steps per second) of one generate call (greedy, or with `sampling`)."""
     stamps = []
     sync()
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new, temperature=0.0, eos_token_id=[], cuda_graph=cuda_graph,
+    model.generate(ids, max_new_tokens=new, eos_token_id=[], cuda_graph=cuda_graph, seed=0, **sampling,
                    on_token=lambda t: (t.tolist(), stamps.append(time.perf_counter())))
     first = 2  # the first decode step captures the graph (or, eagerly, warms up): leave it out
     return (stamps[0] - start) * 1e3, (len(stamps) - 1 - first) / (stamps[-1] - stamps[first])
@@ -215,8 +221,9 @@ def decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy) -> 
     and the copy bandwidth of this run, which hbm_fraction divides by (an extended file keeps rows of
     other runs)."""
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
+    sampling = SAMPLED if engine == "ours_sampled" else GREEDY
     return dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=tp,
-                commit=args.commit, decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
+                **sampling, commit=args.commit, decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
                 weight_GB=round(weight_bytes / 1e9, 3), copy_GBps=round(copy, 1),
                 hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
 
@@ -366,7 +373,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["0.6b"], choices=list(CONFIGS))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--engines", nargs="+", default=None,
-                   help="default: ours ours_eager hf_eager hf_static_compile; with --tp: ours")
+                   help="default: ours ours_sampled ours_eager hf_eager hf_static_compile; with --tp: ours")
     p.add_argument("--hf-batches", nargs="+", type=int, default=None,
                    help="batch sizes at which transformers runs (default: all; its compile takes ~1 min each)")
     p.add_argument("--prompt", type=int, default=128)
@@ -383,7 +390,7 @@ def main() -> None:
         args.engines = args.engines or ["ours"]
         main_tp(args)
         return
-    args.engines = args.engines or ["ours", "ours_eager", "hf_eager", "hf_static_compile"]
+    args.engines = args.engines or ["ours", "ours_sampled", "ours_eager", "hf_eager", "hf_static_compile"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     copy = copy_bandwidth_GBps(device)
@@ -401,9 +408,10 @@ def main() -> None:
                     continue
                 with torch.inference_mode():
                     if engine.startswith("ours"):
-                        graph = engine == "ours" and device.type == "cuda"
-                        time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks its kernels
-                        prefill_ms, steps = time_ours(ours, ids, args.new, graph)
+                        graph = engine != "ours_eager" and device.type == "cuda"
+                        sampling = SAMPLED if engine == "ours_sampled" else GREEDY
+                        time_ours(ours, ids, 8, graph, sampling)  # warm up: Triton compiles, cuBLAS picks kernels
+                        prefill_ms, steps = time_ours(ours, ids, args.new, graph, sampling)
                     else:
                         kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
                         time_hf(hf, ids, args.new, **kwargs)  # warm up: compiles the static-cache forward

@@ -8,11 +8,14 @@ Qwen3 architecture (--config; bf16, written to a temporary directory with the sh
 prompts are token ids, so the tokenizer only detokenizes what it can) or with --model DIR, or
 measures a server already running at --url. For each concurrency c: c clients, each sending
 streaming completions one after another (prompts of random token ids, lengths uniform in
-[--prompt-min, --prompt-max]; --output tokens each, greedy, ignore_eos) until --requests-per-client
-requests each are done. total_tok_s = generated tokens (usage) / wall time of the level;
+[--prompt-min, --prompt-max]; --output tokens each, ignore_eos) until --requests-per-client
+requests each are done, once per sampling setting: --temperature, --top-p, --top-k (the i-th
+values together; a single value serves every setting; temperature 0 is greedy), each request
+with a seed of its own. total_tok_s = generated tokens (usage) / wall time of the level;
 ttft = time from sending a request to its first streamed chunk (its first token's).
-Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "prompt_tokens",
-"output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99", "requests", "failed"}]}.
+Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "temperature",
+"top_p", "top_k", "prompt_tokens", "output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99",
+"requests", "failed"}]}.
 """
 
 import argparse
@@ -49,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-min", type=int, default=128)
     p.add_argument("--prompt-max", type=int, default=1024)
     p.add_argument("--output", type=int, default=256, help="generated tokens per request")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0: greedy")
+    p.add_argument("--top-p", type=float, nargs="+", default=[1.0])
+    p.add_argument("--top-k", type=int, nargs="+", default=[0])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids drawn below this (default: the model's)")
     p.add_argument("--device", default=None)
@@ -64,6 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
     return p.parse_args(argv)
+
+
+def sampling_settings(args) -> list[dict]:
+    """The settings --temperature, --top-p and --top-k list, the i-th values together (a single
+    value serves every setting): [{"temperature", "top_p", "top_k"}]."""
+    columns = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    n = max(len(values) for values in columns.values())
+    if any(len(values) not in (1, n) for values in columns.values()):
+        sys.exit(f"--temperature, --top-p and --top-k take one value or {n} each")
+    return [{name: values[i if len(values) > 1 else 0] for name, values in columns.items()} for i in range(n)]
 
 
 def random_checkpoint(name: str, directory: Path) -> Path:
@@ -105,8 +121,9 @@ def start_server(model_dir: Path, args, max_batch: int, log: Path):
     sys.exit(f"serve.py did not start:\n{log.read_text()}")
 
 
-async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], output: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
+async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], output: int,
+                      sampling: dict, seed: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output, **sampling, "seed": seed, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     ttft, tokens = None, 0
@@ -125,7 +142,7 @@ async def one_request(http: httpx.AsyncClient, url: str, model: str, prompt: lis
     return {"ok": ttft is not None, "ttft": ttft, "tokens": tokens}
 
 
-async def clients(url: str, model: str, concurrency: int, prompts: list[list[int]], output: int,
+async def clients(url: str, model: str, concurrency: int, prompts: list[list[int]], output: int, sampling: dict,
                   timeout: float, start_at: float) -> tuple[list[dict], float, float]:
     """(one result per prompt, start, end) of `concurrency` clients taking the prompts one after
     another from wall-clock time start_at on (time.time(): comparable across processes)."""
@@ -139,7 +156,7 @@ async def clients(url: str, model: str, concurrency: int, prompts: list[list[int
             while todo:
                 i = todo.pop()
                 try:
-                    results.append(await one_request(http, url, model, prompts[i], output))
+                    results.append(await one_request(http, url, model, prompts[i], output, sampling, seed=i))
                 except httpx.HTTPError as err:
                     results.append({"ok": False, "error": repr(err)})
 
@@ -152,7 +169,7 @@ def client_process(job: tuple) -> tuple[list[dict], float, float]:
     return asyncio.run(clients(*job))
 
 
-def level(url: str, model: str, concurrency: int, args, rng: random.Random, vocab: int) -> dict:
+def level(url: str, model: str, concurrency: int, sampling: dict, args, rng: random.Random, vocab: int) -> dict:
     """One concurrency level. The clients are spread over --client-processes processes: one Python
     process parsing every streamed chunk of hundreds of streams would measure itself, not the server."""
     n = concurrency * args.requests_per_client
@@ -164,8 +181,8 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
     # clients have more requests each to send than another's, and none ends the level alone.
     clients_in = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     bounds = list(itertools.accumulate((c * args.requests_per_client for c in clients_in), initial=0))
-    jobs = [(url, model, clients_in[i], prompts[bounds[i] : bounds[i + 1]], args.output, args.timeout, start_at)
-            for i in range(procs)]
+    jobs = [(url, model, clients_in[i], prompts[bounds[i] : bounds[i + 1]], args.output, sampling, args.timeout,
+             start_at) for i in range(procs)]
     if procs == 1:
         parts = [client_process(jobs[0])]
     else:
@@ -182,7 +199,7 @@ def level(url: str, model: str, concurrency: int, args, rng: random.Random, voca
     failed = [r for r in results if not r["ok"]]
     if failed:
         print(f"  {len(failed)} failed, e.g. {failed[0]['error']}", file=sys.stderr)
-    return {"concurrency": concurrency, "prompt_tokens": f"{args.prompt_min}-{args.prompt_max}",
+    return {"concurrency": concurrency, **sampling, "prompt_tokens": f"{args.prompt_min}-{args.prompt_max}",
             "prompt_tokens_mean": round(sum(map(len, prompts)) / n, 1), "output_tokens": args.output,
             "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "ttft_ms_p50": pct(0.5),
             "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed), "client_processes": procs}
@@ -210,12 +227,21 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    c = [r["concurrency"] for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(c, [r["total_tok_s"] for r in results], "o-")
+    settings = []
+    for r in results:
+        setting = (r.get("temperature", 0), r.get("top_p", 1), r.get("top_k", 0))
+        if setting not in settings:
+            settings.append(setting)
+    for t, p, k in settings:
+        rows = [r for r in results if (r.get("temperature", 0), r.get("top_p", 1), r.get("top_k", 0)) == (t, p, k)]
+        c = [r["concurrency"] for r in rows]
+        name = "greedy" if t == 0 else f"T {t:g}" + (f", top-p {p:g}" if p < 1 else "") + (f", top-k {k}" if k else "")
+        a.plot(c, [r["total_tok_s"] for r in rows], "o-", label=name)
+        b.plot(c, [r["ttft_ms_p50"] for r in rows], "o-", label=f"p50, {name}")
+        b.plot(c, [r["ttft_ms_p99"] for r in rows], "s--", label=f"p99, {name}")
     a.set(xscale="log", xlabel="concurrent streaming clients", ylabel="generated tok/s (all clients)", title=title)
-    b.plot(c, [r["ttft_ms_p50"] for r in results], "o-", label="p50")
-    b.plot(c, [r["ttft_ms_p99"] for r in results], "s--", label="p99")
+    a.legend()
     b.set(xscale="log", yscale="log", xlabel="concurrent streaming clients", ylabel="time to first token (ms)")
     b.legend()
     fig.tight_layout()
@@ -246,12 +272,16 @@ def main(argv=None) -> None:
 
             vocab = AutoConfig.from_pretrained(model_dir).vocab_size if not args.url else 1000
         name = f"qwen3-{args.config}" if args.config else model
-        level(url, model, 1, argparse.Namespace(**{**vars(args), "requests_per_client": 1}), rng, vocab)  # warm-up
+        settings = sampling_settings(args)
+        warm_up = argparse.Namespace(**{**vars(args), "requests_per_client": 1})
+        for sampling in settings:  # the first requests of each kind compile and capture what they run
+            level(url, model, 1, sampling, warm_up, rng, vocab)
         results = []
-        for c in args.concurrency:
-            r = {"model": name, **level(url, model, c, args, rng, vocab)}
-            print(json.dumps(r), flush=True)
-            results.append(r)
+        for sampling in settings:
+            for c in args.concurrency:
+                r = {"model": name, **level(url, model, c, sampling, args, rng, vocab)}
+                print(json.dumps(r), flush=True)
+                results.append(r)
     finally:
         if proc is not None:
             proc.terminate()

@@ -33,9 +33,8 @@ try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere 
     import torch
     import torch.distributed as dist
 
-    from ops import IMPLS, resolve_impl
+    from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels
     from qwen3 import Qwen3ForCausalLM
-    from qwen3.config import KERNELS, resolve_kernels
     from qwen3.loader import DTYPES, resolve_device
     from runtime.generate import pad_left, resolve_eos
     from runtime.sampling import problem

@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
-#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [bench] [decode-0.6b] [decode-8b] [decode-30b-a3b] [serve] [engine] [tp]
+#     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
+#                                  [decode-30b-a3b] [sampled-decode] [serve] [engine] [tp]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
 #        about 4-5 minutes on one H200. gpu-tests: only the files with kernels or CUDA tests (~2-3 minutes).
+#        sampler-tests: the sampler's, generation's and the engine's tests, into OUT/sampler-tests.log.
 # bench: the RMSNorm benchmark (scripts/bench_rmsnorm.py), its log, and its JSON and plots as OUT/bench.tgz;
 #        about 4-5 minutes on one H200 (most of it compiling), less where the tests stage built the CUDA op.
 # decode-MODEL: scripts/bench_generate.py for one model at batch 1, 8, 32 and 64 (transformers at 1 and 64
-#        for 0.6b, at 1 for 8b: its compile takes about a minute per shape), rows added to OUT/decode-h200.json.
+#        for 0.6b, at 1 for 8b: its compile takes about a minute per shape), rows added to OUT/decode-h200.json;
+#        ours greedy and sampled with the shipped model's settings (ours_sampled).
+# sampled-decode: ours greedy and sampled only, 0.6b at batch 1 and 64 (about a minute).
 #        decode-30b-a3b: the MoE model at batch 1 and 32 (transformers eagerly at 1), about 4 minutes.
 # tp: on two GPUs (nvidia-h200-x2): the two-GPU test of tests/test_tensor_parallel.py (graphed fp32 greedy
 #        tokens at tp=2 equal tp=1's) into OUT/tp-tests.log, then scripts/bench_generate.py --tp 2 under torchrun:
@@ -21,7 +25,9 @@
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
 # engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
-#        256 clients, into OUT/engine.log: what the served run is compared with (about a minute).
+#        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
+#        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
+#        with (about two minutes).
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
@@ -40,6 +46,14 @@ for stage in $stages; do
     tests)
       timeout 540 python -m pytest -q tests > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
+    sampler-tests)
+      timeout 400 python -m pytest -q tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
+        tests/test_engine.py > "$out/sampler-tests.log" 2>&1
+      tail -n 3 "$out/sampler-tests.log" ;;
+    sampled-decode)
+      timeout 300 python scripts/bench_generate.py --models 0.6b --batches 1 64 --engines ours ours_sampled \
+        --long-prompt 0 --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
+      grep '^{' "$out/decode.log" | tail -n 4 ;;
     gpu-tests)
       timeout 540 python -m pytest -q tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
         tests/test_model.py tests/test_generation.py tests/test_sampling.py tests/test_moe.py tests/test_engine.py \
@@ -73,7 +87,8 @@ for stage in $stages; do
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
       tail -n 8 "$out/serve.log" ;;
     engine)
-      timeout 300 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 > "$out/engine.log" 2>&1
+      timeout 400 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 --temperature 0 0.6 1 \
+        --top-p 1 0.95 0.95 --top-k 0 20 0 > "$out/engine.log" 2>&1
       grep '^{' "$out/engine.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -41,8 +41,8 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from ops import IMPLS, resolve_impl  # noqa: E402
-from qwen3.config import KERNELS, Qwen3Config, resolve_kernels  # noqa: E402
+from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels  # noqa: E402
+from qwen3.config import Qwen3Config  # noqa: E402
 from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype  # noqa: E402
 from runtime.text import load_tokenizer  # noqa: E402
 from serve.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402

@@ -55,11 +55,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ops import resolve_kernels
 from runtime import metadata
 from runtime.cache import PagedKVCache
 from runtime.generate import resolve_eos
 from runtime.graphs import GraphRunner, resolve_cuda_graph
-from runtime.sampling import ParameterError, SamplingParams, next_token, problem
+from runtime.sampler import Sampler, random_seed
+from runtime.sampling import ParameterError, SamplingParams, problem
 from runtime.text import TextStream
 
 # Prompt tokens prefilled per engine step by default (a longer prompt alone): the prompts of a
@@ -142,8 +144,7 @@ class Sequence:
     ids: list[int]  # prompt, then generated tokens
     on_output: Callable[[Output], None] | None
     eos: set[int]
-    generator: torch.Generator | None
-    seen: torch.Tensor | None  # [V] bool: tokens present so far (only when a penalty needs it)
+    seed: int  # the request's, else one of its own: its tokens come from this stream alone
     stream: TextStream | None
     blocks: list[int] = field(default_factory=list)
     row: int = -1  # while running: its row of the engine's block table (see Engine.block_rows)
@@ -154,9 +155,7 @@ class Sequence:
     unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
 
     def __post_init__(self) -> None:
-        params = self.request.params
         self.n_prompt = len(self.request.prompt_ids)
-        self.plain_greedy = params.greedy and not params.penalized  # rows that share one argmax
 
     @property
     def n_generated(self) -> int:
@@ -184,37 +183,59 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeStep:
-    """One token per running sequence: ids [B] at positions [B] through block tables [B, M] ->
-    logits [B, V], from static buffers the call fills: eager, or (CUDA) replayed from the graph of
-    the smallest batch bucket >= B (runtime/graphs.py), its padding rows written to scratch."""
+    """One token per running sequence: the last token of each of its engine rows [B], at positions
+    [B], through block tables [B, M] -> the next tokens [B], chosen by the engine's sampler and
+    written back to last_token, all in one step: eager, or (CUDA) replayed from the graph of the
+    smallest batch bucket >= B (runtime/graphs.py), its padding rows on the scratch row and slot.
+    A graph per way of choosing (Sampler.how): greedy steps and sampling ones, each captured at
+    start; a third (the reference sampler beside the fused kernels) the first time it is needed."""
 
-    def __init__(self, model, cache: PagedKVCache, max_batch: int, table_width: int, graph: bool):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
+                 table_width: int, graph: bool):
+        self.model, self.cache, self.sampler, self.last_token = model, cache, sampler, last_token
+        self.max_batch, self.graph = max_batch, graph
         device = model.lm_head.weight.device
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.rows = torch.full((max_batch,), sampler.scratch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        # Every row is padding while capturing (valid False): warm-up writes land in the scratch slot.
-        self.runner = GraphRunner(self._step, batch_buckets(max_batch), device, graph)
+        self.runners: dict[str, GraphRunner] = {}
+        fused = resolve_kernels(model.config.kernels, device) == "fused"
+        for how in ("greedy", "fused" if fused else "reference"):
+            self.runner(how)
 
-    def _step(self, n: int) -> torch.Tensor:
+    def runner(self, how: str) -> GraphRunner:
+        """The steps that choose tokens `how`, captured the first time they are asked for. Every row
+        is padding while capturing (valid False): warm-up writes land in scratch."""
+        if how not in self.runners:
+            step = lambda n: self._step(n, how)  # noqa: E731
+            self.runners[how] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
+        return self.runners[how]
+
+    def _step(self, n: int, how: str) -> torch.Tensor:
+        rows = self.rows[:n]
         meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
                                self.cu_seqlens[: n + 1])
-        return self.model(self.ids[:n], self.positions[:n], meta)
+        logits = self.model(self.last_token[rows], self.positions[:n], meta)
+        tokens = self.sampler(logits, rows, how)
+        self.last_token[rows] = tokens
+        return tokens
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        B = ids.shape[0]
-        bucket = self.runner.bucket(B)
-        self.ids[:B].copy_(ids)
+    def __call__(self, rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                 how: str) -> torch.Tensor:
+        B = rows.shape[0]
+        runner = self.runner(how)
+        bucket = runner.bucket(B)
+        self.rows[:B].copy_(rows)
         self.positions[:B].copy_(positions)
         self.block_table[:B, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
         self.valid[:B] = True
-        self.valid[B:bucket] = False  # padding rows: position 0 of block 0, written to scratch
+        self.valid[B:bucket] = False  # padding rows: the scratch row, position 0 of block 0, written to scratch
+        self.rows[B:bucket] = self.sampler.scratch
         self.positions[B:bucket] = 0
         self.block_table[B:bucket] = 0
-        return self.runner(B)[:B]
+        return runner(B)[:B]
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
@@ -320,7 +341,14 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos = eos
         cuda_graph = resolve_cuda_graph(cuda_graph, self.device)
-        self.decode = DecodeStep(model, self.cache, max_batch, self.table_width, cuda_graph)
+        self.fused = resolve_kernels(config.kernels, self.device) == "fused"
+        # Each running row's sampling state (its parameters, seed, step, tokens seen), and its last
+        # token: a decode step's input ids are gathered from it and its sampling writes it, on the
+        # device, without a trip through the host. Their last row is scratch, for padding rows.
+        self.sampler = Sampler(max_batch, config.vocab_size, self.device)
+        self.last_token = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
+        self.decode = DecodeStep(model, self.cache, self.sampler, self.last_token, max_batch, self.table_width,
+                                 cuda_graph)
         self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph)
 
         self.waiting: deque[Sequence] = deque()
@@ -332,9 +360,6 @@ class Engine:
         self._in_flight = 0  # submitted and not finished: the queue bound counts these
         self.preemptions = 0
         self.peak_running = 0  # the largest batch decoded so far
-        # Each running row's last token, on the device: a decode step's input ids are gathered
-        # from it, and sampling (prefill's and decode's) writes it, without a trip through the host.
-        self.last_token = torch.zeros(max_batch, dtype=torch.long, device=self.device)
         # Prefills and decode steps launched whose tokens are not read yet, in launch order (a
         # sequence's prefill before its first decode step).
         self.in_flight: list[LaunchedStep] = []
@@ -417,17 +442,12 @@ class Engine:
         state is made on the thread that steps the engine, in _enqueue."""
         return Sequence(
             id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
-            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos, generator=None, seen=None,
+            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos,
+            seed=request.seed if request.seed is not None else random_seed(),
             stream=TextStream(self.tokenizer) if self.tokenizer is not None else None,
         )
 
     def _enqueue(self, seq: Sequence) -> None:
-        request = seq.request
-        if request.params.penalized:
-            seq.seen = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=self.device)
-            seq.seen[self._on_device(request.prompt_ids)] = True
-        if request.seed is not None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(request.seed)
         self.sequences[seq.id] = seq
         self.waiting.append(seq)
 
@@ -461,6 +481,8 @@ class Engine:
             seq.blocks = self.cache.allocate(need)
             seq.row = self._free_rows.pop()
             self.block_rows[seq.row, :need] = torch.tensor(seq.blocks)
+            # Its stream continues where it was (a preempted sequence's too): its step is its tokens so far.
+            self.sampler.set_row(seq.row, seq.request.params, seq.seed, seq.ids, step=seq.n_generated)
             self.running.append(seq)
             admitted.append(seq)
             tokens += len(seq.ids)
@@ -487,7 +509,10 @@ class Engine:
         logits = self.prefill([s.ids for s in pack], table)
         for seq in pack:
             seq.cached = len(seq.ids)
-        self._send_back(pack, self._sample(logits, pack, self._on_device([s.row for s in pack])))
+        rows = self._on_device([s.row for s in pack])
+        tokens = self.sampler(logits, rows, self._how(pack))
+        self.last_token[rows] = tokens
+        self._send_back(pack, tokens)
 
     def _grow(self) -> None:
         """Give every running sequence that will be launched a block for the position its next
@@ -521,14 +546,13 @@ class Engine:
             return
         self.peak_running = max(self.peak_running, len(seqs))
         rows = torch.tensor([s.row for s in seqs])
-        device_rows = self._on_device(rows)
         positions = self._on_device([s.cached for s in seqs])
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
-        logits = self.decode(self.last_token[device_rows], positions,
-                             self._on_device(self.block_rows[rows, :width]))
+        tokens = self.decode(self._on_device(rows), positions, self._on_device(self.block_rows[rows, :width]),
+                             self._how(seqs))
         for s in seqs:
             s.cached += 1
-        self._send_back(seqs, self._sample(logits, seqs, device_rows))
+        self._send_back(seqs, tokens)
 
     def _send_back(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Queue the copy of the tokens [B] sampled for seqs to the host; the next step reads them."""
@@ -560,20 +584,9 @@ class Engine:
             return torch.as_tensor(data, device=self.device)
         return torch.as_tensor(data).pin_memory().to(self.device, non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], device_rows: torch.Tensor) -> torch.Tensor:
-        """Each row's next token [B] on the device, chosen with its own parameters and generator
-        (plain greedy rows share one argmax; the others are sampled one by one), written to the
-        rows' last_token (device_rows: their engine rows) and to the penalty state of the rows
-        that keep one: no host sync."""
-        tokens = logits.argmax(-1)  # (exact in any dtype: no float copy of [B, V])
-        for row, s in enumerate(seqs):
-            if not s.plain_greedy:
-                seen = s.seen[None] if s.seen is not None else None
-                tokens[row] = next_token(logits[row : row + 1], seen, s.request.params, s.generator)[0]
-            if s.seen is not None:
-                s.seen.index_fill_(0, tokens[row : row + 1], True)
-        self.last_token[device_rows] = tokens
-        return tokens
+    def _how(self, seqs: list[Sequence]) -> str:
+        """How the sampler chooses these sequences' tokens (Sampler.how: greedy, fused, reference)."""
+        return Sampler.how([s.request.params for s in seqs], self.fused)
 
     def _accept(self, seq: Sequence, token: int) -> None:
         """Append a sampled token, apply the stops, hand out the new text."""

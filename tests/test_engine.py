@@ -184,25 +184,36 @@ def test_cancelling_frees_blocks_at_once_and_the_others_continue(model):
     assert engine.free_blocks == 32
 
 
-def test_per_request_seeds_and_parameters_do_not_depend_on_the_batch(model):
-    """A seeded sampled request gives the same tokens alone and beside other requests (its own
-    generator); a greedy one beside it is unaffected by its parameters."""
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(model, path):
+    """A seeded sampled request gives the same tokens alone and beside 16 other requests of every
+    kind (greedy, sampled with other parameters, the same parameters with another seed), which
+    is what model.generate gives its prompt with that seed; the greedy ones beside it are
+    unaffected by its parameters."""
     sampled = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
                              presence_penalty=0.3)
-    p, q = prompts([5, 8], model.config.vocab_size, seed=8)
+    others = [GREEDY, sampled, SamplingParams(temperature=0.6, top_k=20, top_p=0.95), SamplingParams(top_p=0.8)]
+    # The interpreter runs the fused kernels' programs one by one: fewer neighbours and tokens there.
+    n_others, steps = (16, 15) if path == "reference" else (4, 3)
+    p, *rest = prompts([5] + [3 + i % 7 for i in range(n_others)], model.config.vocab_size, seed=8)
 
     def run(requests):
-        engine = Engine(model, max_batch=4, n_blocks=32, block_size=4)
+        engine = Engine(model, max_batch=len(requests), n_blocks=len(requests) * 8, block_size=4)
         outs = [collect(engine, r) for r in requests]
-        engine.run(timeout_s=60)
+        engine.run(timeout_s=120)
         return [tokens(o) for o in outs]
 
-    seeded = Request(p, 15, sampled, seed=1234, eos_ids=())
-    (by_itself,) = run([seeded])
-    together = run([Request(q, 15, GREEDY, eos_ids=()), seeded, Request(p, 15, sampled, seed=99, eos_ids=())])
-    assert together[1] == by_itself and together[2] != by_itself
-    assert together[0] == alone(model, q, 15, temperature=0.0)
-    assert by_itself == alone(model, p, 15, seed=1234, **{k: getattr(sampled, k) for k in (
+    seeded = Request(p, steps, sampled, seed=1234, eos_ids=())
+    crowd = [Request(q, steps, others[i % 4], seed=i if i % 4 else None, eos_ids=()) for i, q in enumerate(rest)]
+    use_path(model, path)
+    try:
+        (by_itself,) = run([seeded])
+        together = run(crowd[:3] + [seeded] + crowd[3:])
+    finally:
+        use_path(model, None)
+    assert together[3] == by_itself and len(set(by_itself)) > 1
+    assert together[0] == alone(model, rest[0], steps, temperature=0.0)
+    assert by_itself == alone(model, p, steps, seed=1234, **{k: getattr(sampled, k) for k in (
         "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty")})
 
 

@@ -175,6 +175,20 @@ def test_seed_makes_sampling_reproducible(models):
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_a_seeded_row_of_a_batch_samples_what_its_prompt_samples_alone(models):
+    """Each row draws from its own stream (the seed's, at its own step), so padding and the other
+    rows change nothing: the README's promise for --seed with several prompts."""
+    _, ours = models
+    rows = prompts([6, 3, 9], ours.config.vocab_size, seed=14)
+    ids, mask = left_pad(rows)
+    kwargs = dict(max_new_tokens=12, temperature=0.8, top_p=0.9, repetition_penalty=1.2, eos_token_id=[], seed=5)
+    batch = ours.generate(ids, attention_mask=mask, **kwargs)
+    for i, row in enumerate(rows):
+        alone = ours.generate(torch.tensor([row], device=DEVICE), **kwargs)
+        assert batch[i, ids.shape[1]:].tolist() == alone[0, len(row):].tolist()
+    assert len(set(batch[0, ids.shape[1]:].tolist())) > 1
+
+
 def test_generation_config_supplies_defaults(models):
     _, ours = models
     ids = torch.tensor(prompts([6], ours.config.vocab_size, seed=5), device=DEVICE)

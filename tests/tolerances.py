@@ -115,3 +115,10 @@ LOGITS_BF16_REL = 4 * 2.0**-8
 # losses agree to ~1e-6 relative. 1e-5 leaves room for reduction order, not for a wrong gradient
 # (a dropped term moves the loss by > 1e-3).
 TRAINING_LOSS_RTOL = 1e-5
+
+# Sampling: a token's frequency over N independent draws (one seed each) is binomial around the
+# probability p transformers' filters give it, with standard deviation sqrt(p (1 - p) / N). Five
+# deviations: about one token in 1.7 million would stray that far by chance, so over the few hundred
+# tokens of a test's distributions a correct sampler passes (the seeds are fixed: the test is
+# deterministic), while a wrong filter moves a probability of a few percent by many deviations.
+SAMPLING_MAX_DEVIATIONS = 5
