@@ -42,6 +42,7 @@ class Sampler:
         self.seeds = torch.zeros(rows + 1, dtype=torch.long, device=device)
         self.steps = torch.zeros(rows + 1, dtype=torch.long, device=device)  # tokens drawn so far per row
         self.seen = torch.zeros(rows + 1, vocab_size, dtype=torch.bool, device=device) if penalties else None
+        self.true = torch.ones((), dtype=torch.bool, device=device)  # written without a host copy (graphs)
 
     @staticmethod
     def how(params: list[SamplingParams], fused: bool) -> str:
@@ -55,16 +56,22 @@ class Sampler:
 
     def set_row(self, row: int, params: SamplingParams, seed: int, seen_ids=(), step: int = 0) -> None:
         """Row `row` samples with params from the stream of `seed`, at its step-th token, having seen
-        seen_ids (the prompt and the tokens generated so far). Host-side writes: call it between
-        steps, not inside a captured one."""
+        seen_ids (the prompt and the tokens generated so far). Written between steps, not inside a
+        captured one, and without waiting for the GPU: the host data is staged in pinned memory and
+        its copies queued behind the step in flight (a copy from pageable memory would wait for it)."""
         if params.penalized and self.seen is None:
             raise ValueError("this sampler keeps no seen tokens (penalties=False): it cannot penalize")
-        self.params[row] = torch.tensor([float(getattr(params, name)) for name in PARAMS])
+        self.params[row].copy_(self._staged([float(getattr(params, name)) for name in PARAMS]), non_blocking=True)
         self.seeds[row], self.steps[row] = seed, step
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):
-                self.seen[row, torch.as_tensor(seen_ids, device=self.seen.device)] = True
+                seen = self._staged(list(seen_ids)).to(self.seen.device, non_blocking=True)
+                self.seen[row].index_fill_(0, seen, True)
+
+    def _staged(self, data: list) -> torch.Tensor:
+        """data as a host tensor, pinned when the tables are on a GPU."""
+        return torch.tensor(data, pin_memory=self.params.device.type == "cuda")
 
     def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
         """Tokens [B] for logits [B, V] of sampler rows `rows` [B] (long, on the device); the rows'
@@ -79,9 +86,10 @@ class Sampler:
         """The rows have drawn tokens [B]: their steps advance, and their tokens are seen."""
         self.steps[rows] += 1
         if self.seen is not None:
-            self.seen[rows, tokens] = True
+            self.seen.index_put_((rows, tokens), self.true)
 
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
         tokens = self.choose(logits, rows, how)
-        self.advance(rows, tokens)
+        if how != "greedy":  # greedy rows use no state: a row's parameters are its own for its life
+            self.advance(rows, tokens)
         return tokens

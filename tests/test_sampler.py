@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from ops.sampling.candidates import choose_among_candidates
 from ops.sampling.rejection import sample_by_rejection
 from ops.sampling.scale import scaled_logits
 from runtime.sampler import Sampler
@@ -209,8 +210,11 @@ def test_the_rejection_kernel_chooses_what_the_reference_chooses():
         reference.set_row(row, params[row], seed=row, seen_ids=SEEN)
     logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(6)) * 0.3).to(DEVICE)
     rows = torch.arange(B, device=DEVICE)
-    x, lse, best = scaled_logits(logits, rows, reference.params, reference.seen)
+    tables = reference.params, reference.seeds, reference.steps
+    x, chunks = scaled_logits(logits, rows, *tables, reference.seen)
+    vals, idx = x.topk(128, dim=-1)
+    _, _, whole = choose_among_candidates(vals, idx, chunks, rows, *tables, V)
     tokens = torch.full((B,), -1, dtype=torch.long, device=DEVICE)
     active = torch.ones(B, dtype=torch.bool, device=DEVICE)
-    sample_by_rejection(x, lse, best, rows, reference.params, reference.seeds, reference.steps, active, tokens)
+    sample_by_rejection(x, whole, rows, *tables, active, tokens)
     assert torch.equal(tokens, reference.choose(logits, rows, "reference"))

@@ -11,12 +11,12 @@ repetition and presence penalties on the seen tokens, temperature, top-k, top-p,
 is an exponential race with counter-based clocks (noise.py), so a row's token depends on its
 logits, parameters, seed and step only. Temperature 0 is the argmax of the penalized logits.
 
-fused: the Triton kernels. One pass scales each row (scale.py), torch.topk takes its CANDIDATES
-largest, a kernel runs the filters and the race among them (candidates.py), and for the rows whose
-kept tokens may go past them a rejection kernel runs the same race over the whole row
-(rejection.py): no sort of the vocabulary. Otherwise (reference.py) the same choice in torch
-operations over each row sorted. Both give the same tokens; rows with top-k of CANDIDATES or more
-together with top-p need the reference.
+fused: the Triton kernels. One pass scales each row and runs the race over all of it, by chunks
+(scale.py); torch.topk takes its CANDIDATES largest; a kernel runs the filters and the race among
+them (candidates.py); and for the rows whose kept tokens may go past them a rejection kernel
+weighs the whole row's winner and goes on from it (rejection.py): no sort of the vocabulary.
+Otherwise (reference.py) the same choice in torch operations over each row sorted. Both give the
+same tokens; rows with top-k of CANDIDATES or more together with top-p need the reference.
 """
 
 import torch
@@ -46,10 +46,10 @@ def choose_tokens(logits: torch.Tensor, rows: torch.Tensor, params: torch.Tensor
     if not fused:
         return choose_tokens_reference(logits, rows, params, seeds, steps, seen)
     V = logits.shape[1]
-    x, lse, best = scaled_logits(logits, rows, params, seen)
+    x, chunks = scaled_logits(logits, rows, params, seeds, steps, seen)
     vals, idx = x.topk(min(CANDIDATES, V), dim=-1)
     if V < CANDIDATES:  # a small vocabulary: the kernel's width, padded with tokens that never win
         vals = torch.nn.functional.pad(vals, (0, CANDIDATES - V), value=float("-inf"))
         idx = torch.nn.functional.pad(idx, (0, CANDIDATES - V))
-    tokens, overflow = choose_among_candidates(vals, idx, lse, best, rows, params, seeds, steps, V)
-    return sample_by_rejection(x, lse, best, rows, params, seeds, steps, overflow, tokens)
+    tokens, overflow, whole = choose_among_candidates(vals, idx, chunks, rows, params, seeds, steps, V)
+    return sample_by_rejection(x, whole, rows, params, seeds, steps, overflow, tokens)

@@ -65,15 +65,26 @@ def _mix_kernel(x):
 
 @triton.jit
 def row_key_kernel(seed, step):
-    """row_keys() of one row: seed and step int64 scalars -> its key, a uint64 scalar < 2^32."""
+    """row_keys() of one row: seed and step int64 scalars -> its key as a uint32 scalar."""
     s = seed.to(tl.uint64)
     lo = s & 0xFFFFFFFF
     hi = (s >> 32) & 0xFFFFFFFF
-    return _mix_kernel(_mix_kernel(lo ^ _mix_kernel(hi)) ^ (step.to(tl.uint64) & 0xFFFFFFFF))
+    return _mix_kernel(_mix_kernel(lo ^ _mix_kernel(hi)) ^ (step.to(tl.uint64) & 0xFFFFFFFF)).to(tl.uint32)
+
+
+@triton.jit
+def _mix32_kernel(x):
+    """mix() for uint32 x, in uint32 arithmetic, whose products wrap mod 2^32 (cheaper than 64 bits
+    per token)."""
+    x = x ^ (x >> 16)
+    x = x * tl.full((), 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full((), 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
 
 
 @triton.jit
 def uniform_kernel(key, tokens):
-    """uniform() in a kernel: key a uint64 scalar < 2^32, tokens int32/int64 ids -> float32 (0, 1)."""
-    x = _mix_kernel(key ^ _mul32_kernel(tokens.to(tl.uint64), 0x9E3779B9))
+    """uniform() in a kernel: key a uint32 scalar, tokens int32/int64 ids -> float32 (0, 1)."""
+    x = _mix32_kernel(key ^ (tokens.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
     return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)

@@ -2,30 +2,32 @@
 candidates do not settle, a top-k of K or more, or no filter at all), drawn by rejection without
 sorting the vocabulary.
 
-    sample_by_rejection(x, lse, best, rows, params, seeds, steps, active, out)
+    sample_by_rejection(x, whole, rows, params, seeds, steps, active, out)
 
-x [B, V] float32 are the rows' scaled logits (ops/sampling/scale.py), lse [B] their log-sum-exp,
-best [B] their argmax. A token t is kept when its x is at least min-p's floor (x_max + log min_p),
-fewer than top_k tokens have a larger x, and their mass, the sum of exp(x_i - lse) over x_i > x_t,
-is at most top_p (the token that crosses top_p stays). All three hold for a prefix of the tokens
-in decreasing x. (top-p after a top-k that cuts would need the top-k set's mass: Sampler.how keeps
-such rows away from here.) The token is the winner, among the kept, of the exponential race whose
-clock for token i is E_i = -log u_i (ops/sampling/noise.py): the kept token of the largest
-x_i - log E_i, the same race as ops/sampling/candidates.py runs.
+x [B, V] float32 are the rows' scaled logits (ops/sampling/scale.py), `whole` their log-sum-exp,
+argmax and race winner over every token (ops/sampling/candidates.py). A token t is kept when its x
+is at least min-p's floor (x_max + log min_p), fewer than top_k tokens have a larger x, and their
+mass, the sum of exp(x_i - lse) over x_i > x_t, is at most top_p (the token that crosses top_p
+stays). Each holds for a prefix of the tokens in decreasing x, and so do all three. (top-p after
+a top-k that cuts would need the top-k set's mass: Sampler.how keeps such rows away from here.)
+The token is the winner, among the kept, of the exponential race whose clock for token i is
+E_i = -log u_i (ops/sampling/noise.py): the kept token of the largest x_i - log E_i, the same race
+as the candidates' kernel runs.
 
-A program per active row finds it by rounds over the row: draw the race's winner among tokens
-above the previous winner's x (the first round: all of them at or above the floor), and weigh the
-previous winner in the same pass; stop at the first winner that is kept. A rejected winner is not
-kept, so neither is anything at or below its x, and the race's next finisher above it is its
-winner among the rest: the result is exactly the kept set's winner, with the same clocks in every
-round. With top-p at 0.95 the first winner is kept with probability about 0.95: two passes;
-without top-p or top-k, one. A row that is not active is left untouched.
+A program per active row goes by rounds over the row, starting from the race's winner over every
+token (found by the scaling pass): weigh the current winner (the mass and count above it) and, in
+the same pass, find the race's winner among the tokens above it; stop at the first winner that is
+kept. A rejected winner is not kept, so neither is anything at or below its x, and the race's next
+finisher above it is its winner among the rest: the result is exactly the kept set's winner, with
+the same clocks in every round. With top-p at 0.95 the first winner is kept with probability about
+0.95: one pass. A row that is not active is left untouched.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from .candidates import WholeRow
 from .noise import row_key_kernel, uniform_kernel
 from .params import PARAMS
 
@@ -34,7 +36,7 @@ TOP_K, TOP_P, MIN_P = (PARAMS.index(name) for name in ("top_k", "top_p", "min_p"
 
 
 @triton.jit
-def _rejection_kernel(X, LSE, BEST, ROWS, PARAMS, n_params, SEEDS, STEPS, ACTIVE, OUT, V, TOP_K: tl.constexpr,
+def _rejection_kernel(X, LSE, BEST, FIRST, ROWS, PARAMS, n_params, SEEDS, STEPS, ACTIVE, OUT, V, TOP_K: tl.constexpr,
                       TOP_P: tl.constexpr, MIN_P: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     active = tl.load(ACTIVE + b) != 0
@@ -48,66 +50,57 @@ def _rejection_kernel(X, LSE, BEST, ROWS, PARAMS, n_params, SEEDS, STEPS, ACTIVE
     x_max = tl.load(base + tl.load(BEST + b))
     floor = tl.where(min_p > 0, x_max + tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # p >= min_p p_max
     key = row_key_kernel(tl.load(SEEDS + row), tl.load(STEPS + row))
-    pivot = tl.full((), float("-inf"), tl.float32)  # the round's race runs over x > pivot
-    prev = tl.full((), -1, tl.int64)  # the previous round's winner, weighed in this round
-    result = tl.full((), 0, tl.int64)
+    current = tl.load(FIRST + b)  # the winner being weighed
+    result = current
     done = tl.where(active, 0, 1)  # a row that is not active runs no round
     while done == 0:
+        pivot = tl.load(base + current)
         best = tl.full((), float("-inf"), tl.float32)
         best_token = tl.full((), -1, tl.int64)
-        best_x = tl.full((), float("-inf"), tl.float32)
         mass = tl.full((), 0.0, tl.float32)
         above = tl.full((), 0, tl.int32)
         for v0 in range(0, V, BLOCK):
             v = v0 + tl.arange(0, BLOCK)
-            ok = v < V
-            x = tl.load(base + v, mask=ok, other=float("-inf"))
-            over = ok & (x > pivot)
+            x = tl.load(base + v, mask=v < V, other=float("-inf"))
+            over = x > pivot
             mass += tl.sum(tl.where(over, tl.exp(x - lse), 0.0), axis=0)
             above += tl.sum(over.to(tl.int32), axis=0)
-            race = tl.where(over & (x >= floor), x - tl.log(-tl.log(uniform_kernel(key, v))), float("-inf"))
+            race = tl.where(over, x - tl.log(-tl.log(uniform_kernel(key, v))), float("-inf"))
             chunk_best = tl.max(race, axis=0)
-            at = tl.argmax(race, axis=0)
-            take = chunk_best > best
-            best_token = tl.where(take, v0 + at, best_token)
-            best_x = tl.where(take, tl.sum(tl.where(v == v0 + at, x, 0.0), axis=0), best_x)
+            best_token = tl.where(chunk_best > best, v0 + tl.argmax(race, axis=0), best_token)
             best = tl.maximum(best, chunk_best)
-        # mass and above count the tokens over the pivot: the previous winner's x
-        if (prev >= 0) & (mass <= top_p) & (above < top_k):
-            result = prev
+        if (pivot >= floor) & (mass <= top_p) & (above < top_k):  # kept
+            result = current
             done = 1
-        elif best_token < 0:  # nothing left to draw (NaN logits): the previous winner, or the argmax
-            result = tl.where(prev >= 0, prev, tl.load(BEST + b))
-            done = 1
-        elif (top_p >= 1.0) & (top_k == V):  # only the floor, which the race already holds: kept
-            result = best_token
+        elif best_token < 0:  # nothing above it: it is the largest, kept unless the logits are NaN
+            result = current
             done = 1
         else:
-            prev = best_token
-            pivot = best_x
+            current = best_token
     tl.store(OUT + b, result, mask=active)
 
 
 @torch.library.custom_op("qwen3_ops::sample_by_rejection", mutates_args=("out",))
-def _rejection_op(x: torch.Tensor, lse: torch.Tensor, best: torch.Tensor, rows: torch.Tensor, params: torch.Tensor,
-                  seeds: torch.Tensor, steps: torch.Tensor, active: torch.Tensor, out: torch.Tensor) -> None:
+def _rejection_op(x: torch.Tensor, lse: torch.Tensor, best: torch.Tensor, first: torch.Tensor, rows: torch.Tensor,
+                  params: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, active: torch.Tensor,
+                  out: torch.Tensor) -> None:
     B, V = x.shape
     if B:
-        _rejection_kernel[(B,)](x, lse, best, rows, params, params.shape[1], seeds, steps, active, out, V,
+        _rejection_kernel[(B,)](x, lse, best, first, rows, params, params.shape[1], seeds, steps, active, out, V,
                                 TOP_K=TOP_K, TOP_P=TOP_P, MIN_P=MIN_P, BLOCK=BLOCK, num_warps=8)
 
 
 @_rejection_op.register_fake
-def _(x, lse, best, rows, params, seeds, steps, active, out):
+def _(x, lse, best, first, rows, params, seeds, steps, active, out):
     return None
 
 
-def sample_by_rejection(x: torch.Tensor, lse: torch.Tensor, best: torch.Tensor, rows: torch.Tensor,
-                        params: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, active: torch.Tensor,
-                        out: torch.Tensor) -> torch.Tensor:
+def sample_by_rejection(x: torch.Tensor, whole: WholeRow, rows: torch.Tensor, params: torch.Tensor,
+                        seeds: torch.Tensor, steps: torch.Tensor, active: torch.Tensor, out: torch.Tensor
+                        ) -> torch.Tensor:
     """Write the token of each active row (see the module) to out [B] (int64) and return it; the
     other rows' entries are kept. Device-side only: a CUDA graph captures it."""
     if x.dim() != 2 or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 [B, V], got {tuple(x.shape)} {x.dtype}")
-    _rejection_op(x, lse, best, rows, params, seeds, steps, active, out)
+    _rejection_op(x, whole.lse, whole.argmax, whole.winner, rows, params, seeds, steps, active, out)
     return out
