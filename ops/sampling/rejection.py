@@ -69,14 +69,12 @@ def _rejection_kernel(X, LSE, BEST, FIRST, ROWS, PARAMS, n_params, SEEDS, STEPS,
             chunk_best = tl.max(race, axis=0)
             best_token = tl.where(chunk_best > best, v0 + tl.argmax(race, axis=0), best_token)
             best = tl.maximum(best, chunk_best)
-        if (pivot >= floor) & (mass <= top_p) & (above < top_k):  # kept
-            result = current
-            done = 1
-        elif best_token < 0:  # nothing above it: it is the largest, kept unless the logits are NaN
-            result = current
-            done = 1
-        else:
-            current = best_token
+        # It stops at a kept winner, or at one with nothing above it (the largest: kept, unless the
+        # logits are NaN); else the race goes on above it. (Written without branches.)
+        stop = ((pivot >= floor) & (mass <= top_p) & (above < top_k)) | (best_token < 0)
+        result = tl.where(stop, current, result)
+        current = tl.where(stop, current, best_token)
+        done = stop.to(tl.int32)
     tl.store(OUT + b, result, mask=active)
 
 
