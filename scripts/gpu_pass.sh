@@ -28,6 +28,7 @@
 #        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
 #        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
 #        with (about two minutes).
+# Tests run in one process (-n 0), as the GPU set always has: README's parallel workers are for the CPU.
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
@@ -44,10 +45,10 @@ for stage in $stages; do
   start=$SECONDS
   case $stage in
     tests)
-      timeout 540 python -m pytest -q tests > "$out/gpu-tests.log" 2>&1
+      timeout 540 python -m pytest -q -n 0 tests > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
     sampler-tests)
-      timeout 400 python -m pytest -q tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
+      timeout 400 python -m pytest -q -n 0 tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
         tests/test_engine.py > "$out/sampler-tests.log" 2>&1
       tail -n 3 "$out/sampler-tests.log" ;;
     sampled-decode)
@@ -55,7 +56,7 @@ for stage in $stages; do
         --long-prompt 0 --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
       grep '^{' "$out/decode.log" | tail -n 4 ;;
     gpu-tests)
-      timeout 540 python -m pytest -q tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
+      timeout 540 python -m pytest -q -n 0 tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
         tests/test_model.py tests/test_generation.py tests/test_sampling.py tests/test_moe.py tests/test_engine.py \
         tests/test_kernels_compile.py > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
