@@ -191,6 +191,9 @@ class Attention(nn.Module):
         """Each token over its sequence's keys at positions up to its own -> [N, H, hd] (see the module)."""
         meta, scale = batch.meta, self.head_dim**-0.5
         if meta.rows == 1 and meta.cache is not None and batch.fused:
+            if meta.consecutive_blocks:  # each row's keys one run: no table to read before them
+                k_rows, v_rows = meta.cache.rows(self.layer_idx, *meta.block_tables.shape)  # [S, M * block, K, hd]
+                return decode_attention(q, k_rows, v_rows, meta.seq_lens, scale)
             k_blocks, v_blocks = meta.cache.blocks(self.layer_idx)  # [n_blocks, block_size, K, hd]
             return decode_attention(q, k_blocks, v_blocks, meta.seq_lens, scale, block_table=meta.block_tables)
         if not meta.from_start:

@@ -123,6 +123,13 @@ class PagedKVCache:
         shape = (self.n_blocks, self.block_size, *self.k.shape[2:])
         return self.k[layer, : self.scratch].view(shape), self.v[layer, : self.scratch].view(shape)
 
+    def rows(self, layer: int, n_rows: int, row_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of one layer as rows of consecutive blocks, row s holding blocks s * row_blocks onward:
+        [n_rows, row_blocks * block_size, K, hd] (views; the decode kernel's contiguous layout)."""
+        shape = (n_rows, row_blocks * self.block_size, *self.k.shape[2:])
+        end = n_rows * row_blocks * self.block_size
+        return self.k[layer, :end].view(shape), self.v[layer, :end].view(shape)
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of one layer's sequences, copied out through block_tables [S, M]: [S, M * block_size,
         K, hd], position p of sequence s at index p (the reference path's read; entries past a

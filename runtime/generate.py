@@ -261,7 +261,8 @@ def decode_steps(model, cache: PagedKVCache, tables: torch.Tensor, choose: "Toke
     cu_seqlens = torch.arange(ids.shape[0] + 1, dtype=torch.int32, device=ids.device)
 
     def forward(B: int) -> torch.Tensor:
-        return model(ids, positions, metadata.decode(positions, cache, tables, cu_seqlens=cu_seqlens))
+        meta = metadata.decode(positions, cache, tables, cu_seqlens=cu_seqlens, consecutive_blocks=True)
+        return model(ids, positions, meta)
 
     def step(B: int) -> torch.Tensor:
         tokens = choose(forward(B))

@@ -32,6 +32,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [S] long: each sequence's keys once its new tokens are written
     max_seq_len: int = 0  # a bound on seq_lens, known on the host (a captured graph: its tables' width)
     logits_at: torch.Tensor | None = None  # [S] long: the tokens whose logits are wanted; None: all
+    # Sequence s owns blocks s * M .. s * M + M - 1, in order (block_tables [S, M] is that range, as
+    # generate lays out its rows): its keys are one run of the cache, read without the table.
+    consecutive_blocks: bool = False
 
     @property
     def num_sequences(self) -> int:
@@ -67,16 +70,19 @@ def prefill(positions: torch.Tensor, cu_seqlens: torch.Tensor, cache: PagedKVCac
 
 
 def decode(positions: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
-           valid: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> AttentionMetadata:
+           valid: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+           consecutive_blocks: bool = False) -> AttentionMetadata:
     """One new token per sequence at positions [S], after its cached ones, through block_tables
     [S, M]; sequences where valid [S] is False are padding (written to scratch, read by no one).
-    cu_seqlens: 0..S as int32, for a caller that keeps one (a graph's step makes none)."""
+    cu_seqlens: 0..S as int32, for a caller that keeps one (a graph's step makes none).
+    consecutive_blocks: the tables are generate's layout (see AttentionMetadata)."""
     S = positions.shape[0]
     if cu_seqlens is None:
         cu_seqlens = torch.arange(S + 1, dtype=torch.int32, device=positions.device)
     slots = cache.slots(positions, block_tables, valid)
     max_seq_len = block_tables.shape[1] * cache.block_size
-    return AttentionMetadata(cu_seqlens, 1, False, cache, slots, block_tables, positions + 1, max_seq_len)
+    return AttentionMetadata(cu_seqlens, 1, False, cache, slots, block_tables, positions + 1, max_seq_len,
+                             consecutive_blocks=consecutive_blocks)
 
 
 def extend(positions: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor) -> AttentionMetadata:
