@@ -183,7 +183,20 @@ def load_model(
             whole = model_class(config)
         shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
-    # Check every key, shape and dtype before copying anything.
+    plan = copy_plan(path, config, shapes, tp)  # every key, shape and dtype checked before anything is copied
+    copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0))
+    model.generation_config = generation_config
+    if tp is not None:
+        model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
+        tp.use_symmetric_memory(dtype)
+    return model.eval()
+
+
+def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: TensorParallel | None
+              ) -> list[tuple[str, list[tuple[str, tuple[slice, ...] | None]]]]:
+    """[(shard, [(key, index)])]: what to copy from each checkpoint file (index: this rank's part
+    of the tensor, None for all of it), once every key, shape and dtype has been checked against
+    `shapes` (the whole model's). ValueError naming the file and the key otherwise."""
     shards = checkpoint_files(path)
     plan: list[tuple[str, list[tuple[str, tuple[slice, ...] | None]]]] = []  # (shard, [(key, index)])
     seen: set[str] = set()
@@ -219,10 +232,15 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    return plan
 
+
+def copy_weights(path: Path, plan, params: dict[str, torch.Tensor], progress: bool) -> None:
+    """Copy each planned tensor (or this rank's part of it) into its parameter, with a progress bar
+    once loading has taken over a second."""
     total = sum(params[key].nbytes for _, keys in plan for key, _ in keys)
     with torch.no_grad(), tqdm(total=total, desc="loading weights", unit="B", unit_scale=True,
-                               delay=PROGRESS_AFTER_S, disable=not progress or (tp is not None and tp.rank)) as bar:
+                               delay=PROGRESS_AFTER_S, disable=not progress) as bar:
         for shard, keys in plan:
             with _open(path / shard) as f:
                 for key, index in keys:
@@ -231,8 +249,3 @@ def load_model(
                         raise RuntimeError(f"{key}: read {tuple(part.shape)}, expected {tuple(params[key].shape)}")
                     params[key].copy_(part)
                     bar.update(params[key].nbytes)
-    model.generation_config = generation_config
-    if tp is not None:
-        model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
-        tp.use_symmetric_memory(dtype)
-    return model.eval()

@@ -1,6 +1,9 @@
-"""Checks of what callers hand the model and the runtime, each in one place: token ids, their range."""
+"""Checks of what callers hand the model and the runtime, each in one place: token ids, their range,
+a request's lengths and seed (model.generate and the serving engine make the same checks here)."""
 
 import torch
+
+from .sampling import ParameterError, problem
 
 
 def check_input_ids(input_ids) -> None:
@@ -17,3 +20,18 @@ def check_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> None:
     low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read-back for both
     if not 0 <= low <= high < vocab_size:
         raise ValueError(f"input_ids must be token ids in [0, {vocab_size}), got ids from {low} to {high}")
+
+
+def check_request(n_prompt: int, new, max_len: int, seed=None, new_name: str = "max_tokens", least: int = 1) -> None:
+    """ParameterError (a ValueError naming the field) unless a prompt of n_prompt tokens (at least
+    one) and `new` tokens to generate (an integer >= least; new_name: what the caller's API calls
+    it) fit max_len positions, and the seed, if any, is one."""
+    if n_prompt == 0:
+        raise ParameterError("prompt", "the prompt is empty: generation needs at least one token")
+    if isinstance(new, bool) or not isinstance(new, int) or new < least:
+        raise ParameterError(new_name, f"{new_name} must be an integer >= {least}, got {new!r}")
+    if seed is not None and (wrong := problem("seed", seed)):
+        raise ParameterError("seed", f"seed {wrong}")
+    if n_prompt + new > max_len:
+        raise ParameterError(new_name, f"This model's maximum context length is {max_len} tokens. However, you "
+                             f"requested {n_prompt + new} tokens ({n_prompt} in the prompt, {new} for the completion).")

@@ -32,10 +32,10 @@ from ops import resolve_kernels
 
 from . import metadata
 from .cache import PagedKVCache
-from .checks import check_in_vocab, check_input_ids
+from .checks import check_in_vocab, check_input_ids, check_request
 from .graphs import GraphRunner, resolve_cuda_graph
 from .sampler import Sampler, random_seed
-from .sampling import SamplingParams, problem, sampling_params
+from .sampling import SamplingParams, sampling_params
 
 # Tokens per block of generate's cache: a row's blocks are its own and in order, so a large block
 # keeps each key step of the decode kernel inside one block (contiguous reads), one table entry
@@ -137,17 +137,9 @@ def generate(
     params = sampling_params(gen_config, **sampling)
     check_input_ids(input_ids)
     B, T = input_ids.shape
-    if T == 0 or B == 0:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generation needs at least one token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if seed is not None and (wrong := problem("seed", seed)):
-        raise ValueError(f"seed {wrong}")
-    if T + max_new_tokens > config.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context of "
-            f"{config.max_position_embeddings} tokens (max_position_embeddings)"
-        )
+    if B == 0:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generation needs at least one row")
+    check_request(T, max_new_tokens, config.max_position_embeddings, seed, new_name="max_new_tokens", least=0)
     check_in_vocab(input_ids, config.vocab_size)
     device = model.lm_head.weight.device
     cuda_graph = resolve_cuda_graph(cuda_graph, device)
@@ -180,6 +172,19 @@ def generate(
     cache = PagedKVCache.for_model(model, B * per_row, BLOCK_SIZE)
     tables = torch.arange(B * per_row, device=device).view(B, per_row)  # row b's blocks, in order
     first = choose(prefill(model, input_ids, valid, attention_mask is None, cache, tables, longest))
+    def make_step() -> GraphRunner:
+        return decode_steps(model, cache, tables, choose, first, lengths, cuda_graph)
+
+    new_tokens = read_steps(first, make_step, choose, max_new_tokens, device, on_token)  # [B, n]
+    return torch.cat([input_ids, new_tokens.to(device)], dim=1)
+
+
+def read_steps(first: torch.Tensor, make_step, choose: TokenChoice, max_new_tokens: int, device: torch.device,
+               on_token) -> torch.Tensor:
+    """The new tokens [B, n] of every row: the prefill's (`first`), then those of the decode steps
+    that make_step() returns, up to the step where every row has stopped (or max_new_tokens),
+    each step's tokens streamed to on_token in order while the GPU computes the next one."""
+    B = first.shape[0]
     # Each step's tokens and every row's stop step land in their own row of these host buffers
     # (pinned on CUDA, so that the copies run behind the GPU's work without a wait).
     pinned = device.type == "cuda"
@@ -209,7 +214,7 @@ def generate(
     # The first token as soon as the prefill gives it, before any graph capture.
     n = 1
     all_stopped = read(to_host(0, first))
-    step = decode_steps(model, cache, tables, choose, first, lengths, cuda_graph)
+    step = make_step()  # captured after the first token is out
     previous = None
     for i in range(1, max_new_tokens + 1):
         if all_stopped:
@@ -222,7 +227,7 @@ def generate(
         previous = current
     if all_stopped:  # the steps after the last stop are padding
         n = int(host_stops[n - 1].max()) + 1
-    return torch.cat([input_ids, host_tokens[:n].T.to(device)], dim=1)
+    return host_tokens[:n].T
 
 
 def row_seeds(seed: int | None, B: int, tp) -> list[int]:

@@ -45,8 +45,9 @@ from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels  # noqa: E402
 from qwen3.config import Qwen3Config  # noqa: E402
 from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype  # noqa: E402
 from runtime.text import load_tokenizer  # noqa: E402
-from serve.engine import PREFILL_GRAPH_TOKENS, PREFILL_TOKENS  # noqa: E402
+from serve.engine import PREFILL_TOKENS  # noqa: E402
 from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec  # noqa: E402
+from serve.steps import PREFILL_GRAPH_TOKENS  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "weights" / "qwen3-stdlib-tiny"
 SHUTDOWN_TIMEOUT_S = 30.0  # systemd's and Kubernetes' own waits before a SIGKILL are 90 and 30 s

@@ -274,7 +274,7 @@ def test_a_client_callback_that_raises_ends_only_its_own_request(model):
 
 
 def test_graph_buckets_and_the_cuda_graph_switch(model):
-    from serve.engine import batch_buckets, prefill_buckets
+    from serve.steps import batch_buckets, prefill_buckets
 
     assert batch_buckets(1) == [1] and batch_buckets(16) == [1, 2, 4, 8, 16]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]

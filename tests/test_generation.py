@@ -203,7 +203,7 @@ def test_generation_config_supplies_defaults(models):
 def test_refusals_before_any_compute(models):
     _, ours = models
     ctx = ours.config.max_position_embeddings
-    with pytest.raises(ValueError, match=f"exceeds the model's context of {ctx}"):
+    with pytest.raises(ValueError, match=f"maximum context length is {ctx} tokens.*requested {ctx + 1} tokens"):
         ours.generate(torch.zeros(1, ctx - 3, dtype=torch.long, device=DEVICE), max_new_tokens=4)
     with pytest.raises(ValueError, match="token ids in"):
         ours.generate(torch.full((1, 3), ours.config.vocab_size, device=DEVICE), max_new_tokens=4)

@@ -1,0 +1,61 @@
+"""A request to the serving engine, the outputs it gets back, and the checks it must pass.
+
+    engine.submit(Request(prompt_ids, max_tokens, SamplingParams(...), seed=...), on_output)
+"""
+
+from dataclasses import dataclass
+
+from runtime import checks
+from runtime.sampling import ParameterError, SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a client asks for: token ids to continue, and how."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams = SamplingParams(temperature=0.0)
+    seed: int | None = None  # per-request: its own generator, whatever else runs beside it
+    stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
+    eos_ids: tuple[int, ...] | None = None  # stop tokens; None: the engine's (the checkpoint's)
+
+
+@dataclass
+class Output:
+    """One event of a request: the text and tokens new since the last one; the last event has a
+    finish_reason: "stop" (a stop token or string), "length" (max_tokens), "cancelled", or "error"
+    (the engine failed: see its log)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class QueueFull(Exception):
+    """More requests wait than the engine's queue bound allows."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds a request: the vocabulary, the context, the KV cache."""
+
+    vocab_size: int
+    max_len: int
+    n_blocks: int
+    block_size: int
+
+
+def check_request(request: Request, limits: Limits) -> None:
+    """ValueError naming the field and the numbers unless the request can ever run within limits:
+    runtime/checks.py's checks of every generation, then the KV cache's."""
+    n = len(request.prompt_ids)
+    checks.check_request(n, request.max_tokens, limits.max_len, request.seed)
+    if not all(isinstance(t, int) and 0 <= t < limits.vocab_size for t in request.prompt_ids):
+        raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    blocks = -(-(n + request.max_tokens) // limits.block_size)
+    if blocks > limits.n_blocks:
+        raise ParameterError("max_tokens", f"the request needs {blocks} KV-cache blocks of {limits.block_size} "
+                             f"tokens ({n} + {request.max_tokens} tokens); the cache has {limits.n_blocks}")

@@ -1,0 +1,150 @@
+"""The engine's two kinds of forward, each replayed from CUDA graphs of a few sizes (runtime/graphs.py):
+a decode step over the running sequences, one token each (DecodeStep, batch-size buckets), and
+prompts' prefills packed back to back (PrefillStep, token-count buckets). Both read and write
+static buffers that each call fills, so that a graph replays on the same memory; the padding of
+a bucket writes to the cache's scratch slot and the sampler's scratch row.
+"""
+
+import itertools
+
+import torch
+
+from ops import resolve_kernels
+from runtime import metadata
+from runtime.cache import PagedKVCache
+from runtime.graphs import GraphRunner
+from runtime.sampler import Sampler
+
+# On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
+# prompts, are prefilled from a CUDA graph: an eager forward costs the same host time of kernel
+# launches from Python whatever its length, many times a short pack's GPU time. A longer pack
+# keeps the matmuls longer (docs/benchmarks/serve-notes.md: 8,192 against 4,096).
+PREFILL_GRAPH_TOKENS = 8192
+PACKED_SEQUENCES = 64
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16, up to max_batch."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+class DecodeStep:
+    """One token per running sequence: the last token of each of its engine rows [B], at positions
+    [B], through block tables [B, M] -> the next tokens [B], chosen by the engine's sampler and
+    written back to last_token, all in one step: eager, or (CUDA) replayed from the graph of the
+    smallest batch bucket >= B (runtime/graphs.py), its padding rows on the scratch row and slot.
+    A graph per way of choosing (Sampler.how): greedy steps and sampling ones, each captured at
+    start; a third (the reference sampler beside the fused kernels) the first time it is needed."""
+
+    def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
+                 table_width: int, graph: bool):
+        self.model, self.cache, self.sampler, self.last_token = model, cache, sampler, last_token
+        self.max_batch, self.graph = max_batch, graph
+        device = model.lm_head.weight.device
+        self.rows = torch.full((max_batch,), sampler.scratch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
+        self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self.runners: dict[str, GraphRunner] = {}
+        fused = resolve_kernels(model.config.kernels, device) == "fused"
+        for how in ("greedy", "fused" if fused else "reference"):
+            self.runner(how)
+
+    def runner(self, how: str) -> GraphRunner:
+        """The steps that choose tokens `how`, captured the first time they are asked for. Every row
+        is padding while capturing (valid False): warm-up writes land in scratch."""
+        if how not in self.runners:
+            step = lambda n: self._step(n, how)  # noqa: E731
+            self.runners[how] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
+        return self.runners[how]
+
+    def _step(self, n: int, how: str) -> torch.Tensor:
+        rows = self.rows[:n]
+        meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
+                               self.cu_seqlens[: n + 1])
+        logits = self.model(self.last_token[rows], self.positions[:n], meta)
+        tokens = self.sampler(logits, rows, how)
+        self.last_token[rows] = tokens
+        return tokens
+
+    def __call__(self, rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                 how: str) -> torch.Tensor:
+        B = rows.shape[0]
+        runner = self.runner(how)
+        bucket = runner.bucket(B)
+        self.rows[:B].copy_(rows)
+        self.positions[:B].copy_(positions)
+        self.block_table[:B, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
+        self.valid[:B] = True
+        self.valid[B:bucket] = False  # padding rows: the scratch row, position 0 of block 0, written to scratch
+        self.rows[B:bucket] = self.sampler.scratch
+        self.positions[B:bucket] = 0
+        self.block_table[B:bucket] = 0
+        return runner(B)[:B]
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Prompt lengths with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and
+    1.5 times them: a prompt of 16 tokens or more is padded by less than half), up to max_tokens."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes += [n, n * 3 // 2]
+        n *= 2
+    return [b for b in sizes if b < max_tokens] + [max_tokens]
+
+
+class PrefillStep:
+    """Prompts' first forwards, packed: the tokens of several sequences back to back in one forward
+    (each from position 0, attending to its own tokens) -> the logits [N, V] of each one's last
+    token. Packing keeps the matmuls long whatever the prompts' lengths: a short prompt alone leaves
+    most of the GPU idle (docs/benchmarks/serve-notes.md). On CUDA, up to PACKED_SEQUENCES prompts
+    of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of the smallest token bucket
+    that holds them (the padding written to the scratch slot); larger packs, and every pack on the
+    CPU, run eagerly (`fits`)."""
+
+    def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool):
+        self.model, self.cache = model, cache
+        self.max_len = model.config.max_position_embeddings
+        device = model.lm_head.weight.device
+        buckets = prefill_buckets(min(PREFILL_GRAPH_TOKENS, self.max_len))
+        T, N = buckets[-1], PACKED_SEQUENCES
+        self.ids = torch.zeros(T, dtype=torch.long, device=device) if graph else None
+        self.positions = torch.zeros(T, dtype=torch.long, device=device) if graph else None
+        self.cu_seqlens = torch.zeros(N + 1, dtype=torch.int32, device=device) if graph else None
+        self.block_table = torch.zeros(N, table_width, dtype=torch.long, device=device) if graph else None
+        # While capturing every sequence is empty and every token padding, written to scratch.
+        self.runner = GraphRunner(self._step, buckets, device, graph)
+
+    def fits(self, n_tokens: int, n_sequences: int = 1) -> bool:
+        """Whether a pack of n_sequences prompts of n_tokens in all is replayed from a graph."""
+        return self.runner.fits(n_tokens) and n_sequences <= PACKED_SEQUENCES
+
+    def _step(self, T: int) -> torch.Tensor:
+        meta = metadata.prefill(self.positions[:T], self.cu_seqlens, self.cache, self.block_table, T)
+        return self.model(self.ids[:T], self.positions[:T], meta)
+
+    def __call__(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of each prompt's last token, its keys and values written through its row of
+        block_table [N, M]."""
+        lengths = [len(ids) for ids in prompts]
+        bounds = list(itertools.accumulate(lengths, initial=0))
+        n, N = bounds[-1], len(prompts)
+        ids = list(itertools.chain.from_iterable(prompts))
+        positions = [p for length in lengths for p in range(length)]
+        device = block_table.device
+        if not self.fits(n, N):
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+            token_positions = torch.tensor(positions, device=device)
+            meta = metadata.prefill(token_positions, cu_seqlens, self.cache, block_table, max(lengths))
+            return self.model(torch.tensor(ids, device=device), token_positions, meta)
+        # Queued behind the step in flight through pinned memory. Padding keeps earlier ids and
+        # positions (any valid ones do); the bounds past the last sequence's end make empty sequences.
+        staged = torch.tensor([ids, positions], pin_memory=True)
+        self.ids[:n].copy_(staged[0], non_blocking=True)
+        self.positions[:n].copy_(staged[1], non_blocking=True)
+        bounds += [n] * (PACKED_SEQUENCES - N)
+        self.cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        self.block_table[:N, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
+        return self.runner(n)[:N]
