@@ -90,9 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--norm", choices=IMPLS, default="auto",
                    help="RMSNorm implementation of every norm; auto: triton on CUDA, torch on the CPU (default: auto)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="fused: the Triton kernels of a decode step (projections with their norm, q/k-norm + RoPE, "
-                        "attention); reference: transformers' operations one by one; auto: fused on CUDA, reference "
-                        "on the CPU (default: auto)")
+                   help="fused: the Triton kernels of a step (projections with their norm, q/k-norm + RoPE, "
+                        "attention, sampling); reference: transformers' operations one by one; auto: fused on CUDA, "
+                        "reference on the CPU (default: auto)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
