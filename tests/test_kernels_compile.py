@@ -4,8 +4,9 @@ The CPU tests run the kernels in Triton's interpreter, which executes them as nu
 not apply the compiler's typing rules (a variable re-typed inside a branch, a loop bound of the
 wrong type): such a kernel passes every CPU test and fails to compile on the GPU. Compiling for
 an explicit target needs no GPU, so these tests catch that here. The interpreter replaces every
-@triton.jit function once TRITON_INTERPRET=1 is set (conftest sets it), so one child process with
-TRITON_INTERPRET=0 compiles every case of this file, and each test reads its case's result.
+@triton.jit function once TRITON_INTERPRET=1 is set (conftest sets it), so a child process with
+TRITON_INTERPRET=0 compiles the cases, one child for each half of them (so that no test's set-up
+takes a minute), and each test reads its case's result.
 """
 
 import inspect
@@ -20,25 +21,32 @@ import pytest
 DTYPES = ("bf16", "fp32")
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, str | None]:
-    """{"kernels:dtype": None, or the compile error's traceback}: every case of CASES compiled in
-    one child process with the real compiler (one interpreter start for all of them)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(here)
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    code = "import json, test_kernels_compile as t; print(json.dumps(t.compile_every_case()))"
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
+_compiled: dict[tuple[str, ...], dict[str, str | None]] = {}  # each half's results, once per module
 
 
-def compile_every_case() -> dict[str, str | None]:
-    """In the child process: each case of CASES in each dtype, compiled; its traceback if it failed."""
+@pytest.fixture
+def compiled(kernels) -> dict[str, str | None]:
+    """{"kernels:dtype": None, or the compile error's traceback}: every case of the half of CASES that
+    `kernels` is in, compiled in one child process with the real compiler (made once per half)."""
+    half = next(half for half in HALVES if kernels in half)
+    if half not in _compiled:
+        here = os.path.dirname(os.path.abspath(__file__))
+        root = os.path.dirname(here)
+        env = {**os.environ, "TRITON_INTERPRET": "0",
+               "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+        code = f"import json, test_kernels_compile as t; print(json.dumps(t.compile_every_case({half!r})))"
+        result = subprocess.run([sys.executable, "-c", code], env=env, cwd=here, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        _compiled[half] = json.loads(result.stdout.splitlines()[-1])
+    return _compiled[half]
+
+
+def compile_every_case(names: tuple[str, ...]) -> dict[str, str | None]:
+    """In the child process: each named case of CASES in each dtype, compiled; its traceback if it failed."""
     errors = {}
-    for name, compile_case in CASES.items():
+    for name in names:
+        compile_case = CASES[name]
         for dtype in DTYPES:
             try:
                 compile_case(dtype)
@@ -143,13 +151,31 @@ def compile_fused_moe_kernels(dtype: str) -> None:
     compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True, PDL=True))
 
 
+def compile_sampling_kernels(dtype: str) -> None:
+    from ops.sampling import candidates, rejection, scale
+
+    pointers = {"LOGITS": f"*{dtype}", "X": "*fp32", "VALS": "*fp32", "PARAMS": "*fp32", "MAX": "*fp32",
+                "SUM": "*fp32", "RACE": "*fp32", "LSE": "*fp32", "SEEN": "*i1", "OVERFLOW": "*i1", "ACTIVE": "*i1"}
+    pointers |= {name: "*i64" for name in ("ROWS", "SEEDS", "STEPS", "ARGMAX", "WINNER", "IDX", "OUT", "BEST",
+                                           "FIRST")}
+    columns = dict(T=0, TOP_K=1, TOP_P=2, MIN_P=3)
+    for has_seen in (True, False):
+        compile_for_hopper(scale._scale_kernel, pointers, dict(HAS_SEEN=has_seen, T=0, REPETITION=4, PRESENCE=5,
+                                                               BLOCK=scale.BLOCK))
+    compile_for_hopper(candidates._candidates_kernel, pointers, dict(K=128, CP=64, **columns))
+    compile_for_hopper(rejection._rejection_kernel, pointers, dict(TOP_K=1, TOP_P=2, MIN_P=3, BLOCK=rejection.BLOCK))
+
+
 CASES = {
     "qk_norm_rope_kernel": compile_qk_norm_rope_kernel,
     "decode_attention_kernels": compile_decode_attention_kernels,
     "gemv_and_silu_mul_kernels": compile_gemv_and_silu_mul_kernels,
     "skinny_gemm_kernels": compile_skinny_gemm_kernels,
     "fused_moe_kernels": compile_fused_moe_kernels,
+    "sampling_kernels": compile_sampling_kernels,
 }
+HALVES = (("qk_norm_rope_kernel", "decode_attention_kernels", "sampling_kernels"),
+          ("gemv_and_silu_mul_kernels", "skinny_gemm_kernels", "fused_moe_kernels"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
