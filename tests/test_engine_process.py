@@ -15,7 +15,8 @@ import torch
 
 from runtime.sampling import SamplingParams
 from serve.engine import Request
-from serve.engine_process import EngineDead, EngineProcess, EngineSpec, describe_exit, engine_threads
+from serve.engine_loop import engine_threads
+from serve.engine_process import EngineDead, EngineProcess, EngineSpec, describe_exit
 
 SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
 WAIT_S = 120  # the engine process starts torch and loads the model on a busy 2-core machine
