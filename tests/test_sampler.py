@@ -35,6 +35,9 @@ CASES = {
     "top_k-past-the-candidates": (SamplingParams(top_k=200), 1.0),
     "top_k-past-the-candidates-and-top_p": (SamplingParams(top_k=150, top_p=0.9), 0.5),
     "repetition-penalty": (SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.5), 2.0),
+    "repetition-penalty-on-negative-logits": (SamplingParams(repetition_penalty=1.5), 1.0),  # none filtered
+    "top_p-crossed-by-the-second-token": (SamplingParams(top_p=0.3), 4.0),  # p 0.22, 0.21: both kept
+    "top_p-crossed-by-the-first-token": (SamplingParams(top_p=0.35), 8.0),  # p 0.40: it alone is kept
     "no-filter": (SamplingParams(), 1.0),
 }
 
@@ -83,7 +86,7 @@ def test_draws_follow_transformers_filters(case, how):
     sigma = (expected * (1 - expected) / n).sqrt()
     deviations = ((freq - expected).abs() - 1 / n).clamp(min=0) / sigma.clamp(min=1e-12)
     assert deviations[expected > 0].max() <= SAMPLING_MAX_DEVIATIONS
-    assert (expected > 0).sum() > 1  # a real draw, not a single token
+    assert (expected > 0).sum() == 1 if case == "top_p-crossed-by-the-first-token" else (expected > 0).sum() > 1
 
 
 MIXED = [
@@ -146,6 +149,22 @@ def test_a_rows_tokens_depend_on_its_own_logits_parameters_and_seed_only(how):
         tokens_alone.append(int(alone(mine[None].to(DEVICE), rows_alone, how)[0]))
         tokens_crowd.append(int(crowd(others.to(DEVICE), rows_crowd, how)[10]))
     assert tokens_crowd == tokens_alone and len(set(tokens_alone)) > 1
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" and not INTERPRETED, reason="the fused kernels need CUDA or the interpreter")
+def test_penalties_divide_positive_multiply_negative_and_subtract_presence():
+    """The scaling pass on worked values: a seen positive logit divided by the repetition penalty,
+    a seen negative one multiplied (transformers' RepetitionPenaltyLogitsProcessor gives the same),
+    then the presence penalty subtracted from every seen token (transformers has none)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]] * 2, device=DEVICE)
+    sampler = Sampler(2, 4, DEVICE)
+    sampler.set_row(0, SamplingParams(repetition_penalty=2.0), seed=0, seen_ids=[0, 1])
+    sampler.set_row(1, SamplingParams(repetition_penalty=2.0, presence_penalty=0.75), seed=0, seen_ids=[0, 1])
+    rows = torch.arange(2, device=DEVICE)
+    x, _ = scaled_logits(logits, rows, sampler.params, sampler.seeds, sampler.steps, sampler.seen)
+    assert x.tolist() == [[1.0, -2.0, 0.5, 3.0], [0.25, -2.75, 0.5, 3.0]]
+    transformers_rule = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 1]]), logits[:1].cpu().clone())
+    assert x[0].tolist() == transformers_rule[0].tolist()
 
 
 def test_state_advances_by_the_tokens_drawn():
