@@ -8,7 +8,8 @@ with a queue bound below the clients' number so that bursts meet 429s, and runs 
 that each send one request after another for --minutes, each of a kind drawn at random:
     stream        a streamed completion, read to its end ([DONE] after a finish reason)
     complete      a completion, not streamed
-    same          a greedy completion of one fixed prompt: every answer must equal the first
+    same          a completion of one fixed prompt, greedy or sampled with a fixed seed (one of
+                  two): every answer must equal that request's first, whatever ran beside it
     leave-stream  a stream its client closes after a few events
     leave         a completion its client gives up on after a fraction of a second
     bad           a request the server must refuse with a 400 (a bad value, a field it does not
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVING = re.compile(r"^serving \S+ at (http://\S+) on ")
 PROMPTS = ["import os", "def fibonacci(n):", "class Stack:", "for i in range(", "# parse the arguments\n",
            "with open(path) as f:", "try:\n    import json\nexcept"]
-SAME = {"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
+SAME = [{"prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0},
+        {"prompt": "import os\n", "max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 7}]
 BAD = [  # bodies the server must refuse with a 400 (raw bytes: not JSON)
     {"prompt": "x", "temperature": -1}, {"prompt": "x", "max_tokens": True}, {"prompt": 42},
     {"prompt": "x", "best_of": 3}, {"prompt": "x", "suffix": "y"}, {"prompt": "x", "temprature": 0.5},
@@ -127,7 +129,7 @@ class Soak:
         self.url, self.http, self.rng = url, http, random.Random(seed)
         self.outcomes: Counter = Counter()  # (kind, outcome) -> count
         self.lost: list[str] = []
-        self.same: str | None = None  # the first answer to SAME
+        self.same: dict[int, str] = {}  # SAME's index -> its first answer
 
     def body(self, stream: bool) -> dict:
         return {"prompt": self.rng.choice(PROMPTS), "max_tokens": self.rng.randint(1, 64), "stream": stream,
@@ -153,7 +155,7 @@ class Soak:
         finally:
             await r.aclose()
 
-    async def complete(self, body: dict, same: bool = False, timeout_s: float = REQUEST_TIMEOUT_S) -> Outcome:
+    async def complete(self, body: dict, same: int | None = None, timeout_s: float = REQUEST_TIMEOUT_S) -> Outcome:
         try:
             r = await self.http.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
         except httpx.TimeoutException:
@@ -163,12 +165,12 @@ class Soak:
         if r.status_code != 200:
             return refusal(r, 200)
         choice = r.json()["choices"][0]
-        if same and self.same is None:
-            self.same = choice["text"]
+        if same is not None:
+            self.same.setdefault(same, choice["text"])
         if choice["finish_reason"] not in ("length", "stop"):
             return Outcome("lost", f"finish_reason {choice['finish_reason']}")
-        if same and choice["text"] != self.same:
-            return Outcome("lost", f"a different answer to the same greedy request: {choice['text']!r}")
+        if same is not None and choice["text"] != self.same[same]:
+            return Outcome("lost", f"a different answer to the same request {SAME[same]}: {choice['text']!r}")
         return Outcome("completed")
 
     async def bad(self) -> Outcome:
@@ -186,7 +188,8 @@ class Soak:
             if kind == "complete":
                 return await self.complete(self.body(stream=False))
             if kind == "same":
-                return await self.complete(SAME, same=True)
+                same = self.rng.randrange(len(SAME))
+                return await self.complete(SAME[same], same=same)
             if kind == "leave":
                 return await self.complete(self.body(stream=False), timeout_s=self.rng.uniform(0.05, 1.0))
             return await self.bad()
