@@ -238,7 +238,8 @@ class Qwen3ForCausalLM(nn.Module):
             else temperature 1 and the rest off.
         eos_token_id: stop ids (default: generation_config's, else the config's). A row stops at
             its first; it is padded with pad_token_id (default: the first eos id) until all stop.
-        seed: reproducible sampling.
+        seed: reproducible sampling: every row draws from this seed's stream, so a row samples what its
+            prompt samples alone (identical prompts, identical samples); None: each row a stream of its own.
         on_token: called with the new ids [B] of each step (a tensor on the host), in order, for streaming.
         cuda_graph: replay the decode step from a CUDA graph (default: on for CUDA, off otherwise).
         """

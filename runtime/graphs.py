@@ -44,7 +44,7 @@ class GraphRunner:
     def __init__(self, step: Callable[[int], object], buckets: Sequence[int], device: torch.device, capture: bool,
                  warm_up: Callable[[int], object] | None = None):
         """warm_up(size): what runs before a capture (default: step), for a step whose state must
-        not advance twice: it must launch every kernel the step launches."""
+        not advance twice: it must run every kernel the step compiles on first use (Triton's)."""
         self.step, self.buckets, self.capture = step, sorted(buckets), capture
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         if not capture:

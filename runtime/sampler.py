@@ -39,6 +39,7 @@ class Sampler:
         the tokens seen per row ([rows, V] bool), as repetition and presence penalties need."""
         self.vocab_size, self.scratch = vocab_size, rows
         self.params = torch.tensor([[float(NEUTRAL[name]) for name in PARAMS]] * (rows + 1), device=device)
+        self.params[rows, PARAMS.index("temperature")] = 0.0  # padding rows take the cheapest way: an argmax
         self.seeds = torch.zeros(rows + 1, dtype=torch.long, device=device)
         self.steps = torch.zeros(rows + 1, dtype=torch.long, device=device)  # tokens drawn so far per row
         self.seen = torch.zeros(rows + 1, vocab_size, dtype=torch.bool, device=device) if penalties else None
@@ -56,7 +57,8 @@ class Sampler:
 
     def set_row(self, row: int, params: SamplingParams, seed: int, seen_ids=(), step: int = 0) -> None:
         """Row `row` samples with params from the stream of `seed`, at its step-th token, having seen
-        seen_ids (the prompt and the tokens generated so far). Written between steps, not inside a
+        seen_ids (the prompt and the tokens generated so far: a list, or a tensor on any device).
+        Written between steps, not inside a
         captured one, and without waiting for the GPU: the host data is staged in pinned memory and
         its copies queued behind the step in flight (a copy from pageable memory would wait for it)."""
         if params.penalized and self.seen is None:
@@ -66,8 +68,8 @@ class Sampler:
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):
-                seen = self._staged(list(seen_ids)).to(self.seen.device, non_blocking=True)
-                self.seen[row].index_fill_(0, seen, True)
+                seen = seen_ids if isinstance(seen_ids, torch.Tensor) else self._staged(list(seen_ids))
+                self.seen[row].index_fill_(0, seen.to(self.seen.device, non_blocking=True), True)
 
     def _staged(self, data: list) -> torch.Tensor:
         """data as a host tensor, pinned when the tables are on a GPU."""
@@ -76,6 +78,8 @@ class Sampler:
     def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
         """Tokens [B] for logits [B, V] of sampler rows `rows` [B] (long, on the device); the rows'
         state is read, not advanced (a warm-up before a graph capture calls this)."""
+        if logits.shape[-1] != self.vocab_size:  # the kernels index the seen tokens by the logits' width
+            raise ValueError(f"logits of {logits.shape[-1]} tokens for a sampler of {self.vocab_size}")
         if how == "greedy":
             return logits.argmax(-1)  # exact in any dtype: no float copy of [B, V]
         if how not in HOWS:

@@ -8,6 +8,8 @@ repetition/presence penalties, temperature, top-k, top-p, min-p. Temperature 0 m
 import math
 from dataclasses import dataclass, fields
 
+from ops.sampling.params import NEUTRAL
+
 
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
@@ -66,7 +68,7 @@ class SamplingParams:
 
 
 # What `model.generate` uses when neither the caller nor the checkpoint's generation_config says.
-LIBRARY_DEFAULTS = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+LIBRARY_DEFAULTS = dict(NEUTRAL)  # each parameter's value that changes nothing
 
 
 def sampling_params(generation_config: dict, **overrides) -> SamplingParams:

@@ -32,11 +32,13 @@ is accepted only if it fits the whole cache alone, so the oldest sequence always
 running out of blocks makes requests wait, never corrupts or drops them.
 
 On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
-the bucket's size, padding rows writing to the scratch slot), captured once at start, largest
-first, in one memory pool, as nano-vllm does. A step's prompts are packed back to back into one
-forward (each prompt attending to its own tokens), replayed from the graph of its token-count
-bucket the same way, up to PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU tests
-exercise the eager paths, the graphed ones run on a GPU only.
+the bucket's size, padding rows writing to the scratch slot), a greedy and a sampling graph
+captured at start, largest first, in one memory pool, as nano-vllm does (a graph of the reference
+sampler the first time a request needs it: a top-k of 128 or more with top-p, on the fused path).
+A step's prompts are packed back to back into one forward (each prompt attending to its own
+tokens), replayed from the graph of its token-count bucket the same way, up to
+PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU tests exercise the eager paths,
+the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
 serve/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any

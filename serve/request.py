@@ -16,7 +16,7 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     params: SamplingParams = SamplingParams(temperature=0.0)
-    seed: int | None = None  # per-request: its own generator, whatever else runs beside it
+    seed: int | None = None  # its tokens' random stream, whatever else runs beside it (None: one of its own)
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
     eos_ids: tuple[int, ...] | None = None  # stop tokens; None: the engine's (the checkpoint's)
 

@@ -54,8 +54,14 @@ class DecodeStep:
 
     def runner(self, how: str) -> GraphRunner:
         """The steps that choose tokens `how`, captured the first time they are asked for. Every row
-        is padding while capturing (valid False): warm-up writes land in scratch."""
+        is padding while capturing (the scratch row, valid False, block 0): the warm-up and capture
+        runs write to the cache's scratch slot and the sampler's scratch row only, also when a
+        runner is captured while sequences run (their rows' buffers are refilled after)."""
         if how not in self.runners:
+            self.rows.fill_(self.sampler.scratch)
+            self.valid.fill_(False)
+            self.positions.zero_()
+            self.block_table.zero_()
             step = lambda n: self._step(n, how)  # noqa: E731
             self.runners[how] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
         return self.runners[how]

@@ -293,11 +293,13 @@ def test_graphed_engine_equals_eager_engine(model, path, monkeypatch):
     the graph captures) and a longer one eagerly (45, SDPA per sequence); decode steps replayed
     from the per-bucket CUDA graphs (batches of 6, 5, 4... padded to buckets 8 and 4): every
     token is the one the eager engine chooses."""
-    import serve.engine
+    import serve.steps
 
-    monkeypatch.setattr(serve.engine, "PREFILL_GRAPH_TOKENS", 32)
-    requests = [Request(p, m, GREEDY, eos_ids=()) for p, m in
-                zip(prompts([5, 30, 17, 2, 9, 45], model.config.vocab_size, seed=11), [20, 12, 25, 8, 16, 10])]
+    monkeypatch.setattr(serve.steps, "PREFILL_GRAPH_TOKENS", 32)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1)
+    lengths, max_tokens = [5, 30, 17, 2, 9, 45], [20, 12, 25, 8, 16, 10]
+    requests = [Request(p, m, GREEDY if i % 2 else sampled, seed=i, eos_ids=()) for i, (p, m) in
+                enumerate(zip(prompts(lengths, model.config.vocab_size, seed=11), max_tokens))]
     use_path(model, path)
     try:
         results = []

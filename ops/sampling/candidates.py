@@ -51,7 +51,7 @@ def _candidates_kernel(VALS, IDX, MAX, SUM, ARGMAX, RACE, WINNER, ROWS, PARAMS, 
     chunk_max = tl.load(MAX + b * C + c, mask=in_row, other=float("-inf"))
     m = tl.max(chunk_max, axis=0)
     chunk_sum = tl.load(SUM + b * C + c, mask=in_row, other=0.0)
-    lse = m + tl.log(tl.sum(tl.where(in_row, chunk_sum * tl.exp(chunk_max - m), 0.0), axis=0))
+    lse = m + tl.log(tl.sum(tl.where(chunk_max > float("-inf"), chunk_sum * tl.exp(chunk_max - m), 0.0), axis=0))
     best = tl.load(ARGMAX + b * C + tl.argmax(chunk_max, axis=0))
     race_chunks = tl.load(RACE + b * C + c, mask=in_row, other=float("-inf"))
     first = tl.load(WINNER + b * C + tl.argmax(race_chunks, axis=0))
@@ -80,7 +80,10 @@ def _candidates_kernel(VALS, IDX, MAX, SUM, ARGMAX, RACE, WINNER, ROWS, PARAMS, 
     race = tl.where(kept, vals - tl.log(-tl.log(uniform_kernel(key, idx))), float("-inf"))
     winner = tl.sum(tl.where(k == tl.argmax(race, axis=0), idx, 0), axis=0)
     q_last = tl.sum(tl.where(k == K - 1, q, 0.0), axis=0)
-    cut_inside = (has_top_k & (top_k < K)) | ((top_p < 1.0) & (tl.sum(q, axis=0) > top_p)) | (
+    # A top-k settles here unless tokens tied with its k-th run to the candidates' end (the rest
+    # of the tie may lie past them: the rejection kernel counts ties as transformers keeps them).
+    vals_last = tl.sum(tl.where(k == K - 1, vals, 0.0), axis=0)
+    cut_inside = (has_top_k & (top_k < K) & (vals_last < kth)) | ((top_p < 1.0) & (tl.sum(q, axis=0) > top_p)) | (
         (min_p > 0) & (q_last < min_p * q_max))
     greedy = temperature == 0
     tl.store(OUT + b, tl.where(greedy, best, winner.to(tl.int64)))

@@ -71,7 +71,7 @@ def _rejection_kernel(X, LSE, BEST, FIRST, ROWS, PARAMS, n_params, SEEDS, STEPS,
             best = tl.maximum(best, chunk_best)
         # It stops at a kept winner, or at one with nothing above it (the largest: kept, unless the
         # logits are NaN); else the race goes on above it. (Written without branches.)
-        stop = ((pivot >= floor) & (mass <= top_p) & (above < top_k)) | (best_token < 0)
+        stop = ((pivot >= floor) & ((mass <= top_p) | (top_p >= 1.0)) & (above < top_k)) | (best_token < 0)
         result = tl.where(stop, current, result)
         current = tl.where(stop, current, best_token)
         done = stop.to(tl.int32)

@@ -62,7 +62,7 @@ def _scale_kernel(LOGITS, stride_l, ROWS, PARAMS, n_params, SEEDS, STEPS, SEEN, 
     m = tl.max(x, axis=0)
     out = b * C + c
     tl.store(MAX + out, m)
-    tl.store(SUM + out, tl.sum(tl.exp(x - m), axis=0))
+    tl.store(SUM + out, tl.where(m > float("-inf"), tl.sum(tl.exp(x - m), axis=0), 0.0))  # all -inf: nothing
     tl.store(ARGMAX + out, c * BLOCK + tl.argmax(x, axis=0))
     race_best = tl.full((), float("-inf"), tl.float32)
     race_winner = tl.full((), 0, tl.int32) + c * BLOCK
