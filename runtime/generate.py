@@ -172,6 +172,7 @@ def generate(
     cache = PagedKVCache.for_model(model, B * per_row, BLOCK_SIZE)
     tables = torch.arange(B * per_row, device=device).view(B, per_row)  # row b's blocks, in order
     first = choose(prefill(model, input_ids, valid, attention_mask is None, cache, tables, longest))
+
     def make_step() -> GraphRunner:
         return decode_steps(model, cache, tables, choose, first, lengths, cuda_graph)
 

@@ -160,7 +160,7 @@ class Engine:
         self.sampler = Sampler(max_batch, config.vocab_size, self.device)
         self.last_token = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
         self.decode = DecodeStep(model, self.cache, self.sampler, self.last_token, max_batch, self.table_width,
-                                 cuda_graph)
+                                 cuda_graph, self.fused)
         self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph)
 
         self.waiting: deque[Sequence] = deque()

@@ -9,7 +9,6 @@ import itertools
 
 import torch
 
-from ops import resolve_kernels
 from runtime import metadata
 from runtime.cache import PagedKVCache
 from runtime.graphs import GraphRunner
@@ -38,7 +37,8 @@ class DecodeStep:
     start; a third (the reference sampler beside the fused kernels) the first time it is needed."""
 
     def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
-                 table_width: int, graph: bool):
+                 table_width: int, graph: bool, fused: bool):
+        """fused: the model runs the fused kernels, and sampling steps take the fused sampler."""
         self.model, self.cache, self.sampler, self.last_token = model, cache, sampler, last_token
         self.max_batch, self.graph = max_batch, graph
         device = model.lm_head.weight.device
@@ -48,7 +48,6 @@ class DecodeStep:
         self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self.runners: dict[str, GraphRunner] = {}
-        fused = resolve_kernels(model.config.kernels, device) == "fused"
         for how in ("greedy", "fused" if fused else "reference"):
             self.runner(how)
 
