@@ -6,15 +6,20 @@
 `step(size)` reads its inputs from, and writes its outputs to, tensors that the caller owns and
 fills before each call (static buffers: a graph replays on the same memory); it computes `size`
 rows of them. Every bucket's graph is captured at construction, largest first, in one memory pool
-(each later capture fits in what the largest reserved: nano-vllm's scheme), after a warm-up on a
-side stream that compiles and loads every kernel the step launches (Triton's included), as
-torch.cuda.graph asks. Without `capture` (the CPU, or a caller that wants eager steps) a call runs
-step(n) itself, at the caller's size: one code path for both.
+(each later capture fits in what the largest reserved: nano-vllm's scheme), after a warm-up that
+compiles and loads every kernel the step launches (Triton's included), as torch.cuda.graph asks.
+The warm-up runs on the stream the graphs are captured on, the runner's own: cuBLAS keeps a
+workspace per stream, and one first asked for inside a capture would live in that graph's pool,
+to be freed, or cleared under a later graph, with the graph (pytorch/pytorch#193402): a second
+runner capturing on torch's shared capture stream then broke with CUBLAS_STATUS_EXECUTION_FAILED.
+Without `capture` (the CPU, or a caller that wants eager steps) a call runs step(n) itself, at the
+caller's size: one code path for both.
 
 generate's decode step (one bucket, its batch), the serving engine's decode steps (batch-size
 buckets) and its packed prefills (token-count buckets) all run through it.
 """
 
+import gc
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,15 +34,14 @@ def resolve_cuda_graph(cuda_graph: bool | None, device: torch.device) -> bool:
     return cuda_graph
 
 
-def warm_up_on_a_side_stream(fn: Callable[[], object], times: int = 2) -> None:
-    """Run fn on a side stream so that every kernel it launches (Triton's included) is compiled
-    and loaded before a CUDA graph captures it, as torch.cuda.graph asks."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+def warm_up_on(stream: torch.cuda.Stream, fn: Callable[[], object], times: int = 2) -> None:
+    """Run fn on `stream` so that every kernel it launches (Triton's included) is compiled and
+    loaded, and every library workspace it needs allocated, before a CUDA graph captures it."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         for _ in range(times):
             fn()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 class GraphRunner:
@@ -49,12 +53,16 @@ class GraphRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
         if not capture:
             return
+        # Graphs of earlier runners that nothing references any more are freed now, not by a
+        # garbage collection in the middle of a capture (freeing one clears its stream's workspace).
+        gc.collect()
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.device(device), torch.inference_mode():
+            stream = torch.cuda.Stream()
             for size in reversed(self.buckets):
-                warm_up_on_a_side_stream(lambda size=size: (warm_up or step)(size))
+                warm_up_on(stream, lambda size=size: (warm_up or step)(size))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = step(size)
                 self.graphs[size] = (graph, out)
 

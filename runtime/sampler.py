@@ -64,7 +64,10 @@ class Sampler:
         if params.penalized and self.seen is None:
             raise ValueError("this sampler keeps no seen tokens (penalties=False): it cannot penalize")
         self.params[row].copy_(self._staged([float(getattr(params, name)) for name in PARAMS]), non_blocking=True)
-        self.seeds[row], self.steps[row] = seed, step
+        # fill_, not `self.seeds[row] = seed`: that copies a host scalar from pageable memory, which
+        # waits for every step in flight (the engine's host would stall behind the GPU).
+        self.seeds[row].fill_(seed)
+        self.steps[row].fill_(step)
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):

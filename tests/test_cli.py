@@ -272,7 +272,9 @@ def test_ctrl_c_while_generating_ends_the_text_line_then_says_so_with_status_130
     cli = start_cli("--model", str(model_dir), *LONG_GREEDY)
     first = cli.stdout.read(1)
     assert first, "no text before the interrupt"  # generating
+    cli.send_signal(signal.SIGSTOP)  # held mid-text, so that a fast machine cannot finish first
     cli.send_signal(signal.SIGINT)
+    cli.send_signal(signal.SIGCONT)
     rest, stderr = cli.stdout.read(), cli.stderr.read()  # buffered: what read(1) took in comes first
     assert cli.wait(timeout=120) == 130
     assert stderr.decode() == "generate.py: interrupted\n"
@@ -283,7 +285,9 @@ def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
     """As `| head -c 1`: the reader closes the pipe while text still comes."""
     cli = start_cli("--model", str(model_dir), *LONG_GREEDY)
     assert cli.stdout.read(1)
+    cli.send_signal(signal.SIGSTOP)  # held mid-text, so that a fast machine cannot finish first
     cli.stdout.close()
+    cli.send_signal(signal.SIGCONT)
     stderr = cli.stderr.read().decode()
     assert cli.wait(timeout=120) == 141  # 128 + SIGPIPE, as the shell reports for cat
     assert stderr == ""

@@ -21,7 +21,7 @@ from qwen3 import model as ours
 from qwen3.attention import Attention, token_batch
 from qwen3.layers import MLP, RMSNorm, RotaryEmbedding
 from runtime import metadata
-from runtime.graphs import warm_up_on_a_side_stream
+from runtime.graphs import warm_up_on
 
 
 def our_config(hf_cfg, path="reference") -> Qwen3Config:
@@ -357,9 +357,10 @@ def test_cuda_graph_captures_the_whole_decoder_with_triton_norms():
     model = triton_decoder(torch.bfloat16)
     static_ids = input_ids(model.config.vocab_size)
     with torch.no_grad():
-        warm_up_on_a_side_stream(lambda: model(static_ids))
+        stream = torch.cuda.Stream()  # warmed and captured on one stream (runtime/graphs.py)
+        warm_up_on(stream, lambda: model(static_ids))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             static_logits = model(static_ids)
         for seed in (1, 2):
             static_ids.copy_(input_ids(model.config.vocab_size, seed=seed))

@@ -9,7 +9,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from ops import fused_add_rms_norm, rms_norm
 from ops.norm import rmsnorm_triton as tri
-from runtime.graphs import warm_up_on_a_side_stream
+from runtime.graphs import warm_up_on
 
 # Inductor on a GPU; on the CPU the traced graph runs eagerly (Inductor's CPU code is not what is tested).
 COMPILE_BACKEND = "inductor" if DEVICE.type == "cuda" else "aot_eager"
@@ -284,9 +284,10 @@ def test_cuda_graph_replays_forward_on_new_inputs():
     x, w, _ = make_case(48, 256, torch.bfloat16)
     residual = torch.randn_like(x)
     static_x = x.clone()
-    warm_up_on_a_side_stream(lambda: fused_add_rms_norm(static_x, residual, w, impl="triton"))
+    stream = torch.cuda.Stream()  # warmed and captured on one stream (runtime/graphs.py)
+    warm_up_on(stream, lambda: fused_add_rms_norm(static_x, residual, w, impl="triton"))
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         static_y, static_s = fused_add_rms_norm(static_x, residual, w, impl="triton")
     for seed in (1, 2):
         static_x.copy_(make_case(48, 256, torch.bfloat16, seed=seed)[0])
@@ -311,10 +312,11 @@ def test_cuda_graph_replays_forward_and_backward_on_new_inputs():
         static_x.grad = static_w.grad = None
         step(static_x, static_w)
 
-    warm_up_on_a_side_stream(fresh_step)
+    stream = torch.cuda.Stream()  # warmed and captured on one stream (runtime/graphs.py)
+    warm_up_on(stream, fresh_step)
     static_x.grad = static_w.grad = None
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         step(static_x, static_w)
     for seed in (1, 2):
         with torch.no_grad():
