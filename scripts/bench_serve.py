@@ -211,8 +211,15 @@ def versions() -> dict:
     import triton
     import uvicorn
 
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
-            "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__}
+    found = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+             "fastapi": fastapi.__version__, "uvicorn": uvicorn.__version__}
+    try:  # uvicorn's event loop when installed (pyproject's dependency on Linux), else asyncio's
+        import uvloop
+
+        found["uvloop"] = uvloop.__version__
+    except ImportError:
+        found["uvloop"] = None
+    return found
 
 
 def gpu_name() -> str:
