@@ -5,8 +5,8 @@
 #                                  [decode-30b-a3b] [sampled-decode] [serve] [engine] [tp]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
-# tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log;
-#        about 4-5 minutes on one H200. gpu-tests: only the files with kernels or CUDA tests (~2-3 minutes).
+# tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log,
+#        in 4 worker processes sharing the GPU: about 3.6 minutes on one H200 (16 cores). gpu-tests: only the files with kernels or CUDA tests (~2-3 minutes).
 #        sampler-tests: the sampler's, generation's and the engine's tests, into OUT/sampler-tests.log.
 # bench: the RMSNorm benchmark (scripts/bench_rmsnorm.py), its log, and its JSON and plots as OUT/bench.tgz;
 #        about 4-5 minutes on one H200 (most of it compiling), less where the tests stage built the CUDA op.
@@ -28,7 +28,8 @@
 #        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
 #        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
 #        with (about two minutes).
-# Tests run in one process (-n 0), as the GPU set always has: README's parallel workers are for the CPU.
+# The tests stage runs 4 workers; the others one process (-n 0). A stage's time limit interrupts pytest
+# with SIGINT, so that a log cut short still ends with the failures so far.
 # Each stage runs under a time limit, so that one that hangs still leaves the others' results; a
 # device call of at most 10 minutes takes one stage. COMMIT=<hash> names the commit the benchmark
 # records (a copied tree may not carry its git state).
@@ -45,10 +46,10 @@ for stage in $stages; do
   start=$SECONDS
   case $stage in
     tests)
-      timeout 540 python -m pytest -q -n 0 tests > "$out/gpu-tests.log" 2>&1
+      timeout -s INT 540 python -m pytest -q -n 4 tests > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
     sampler-tests)
-      timeout 400 python -m pytest -q -n 0 tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
+      timeout -s INT 400 python -m pytest -q -n 0 tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
         tests/test_engine.py > "$out/sampler-tests.log" 2>&1
       tail -n 3 "$out/sampler-tests.log" ;;
     sampled-decode)
@@ -56,7 +57,7 @@ for stage in $stages; do
         --long-prompt 0 --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
       grep '^{' "$out/decode.log" | tail -n 4 ;;
     gpu-tests)
-      timeout 540 python -m pytest -q -n 0 tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
+      timeout -s INT 540 python -m pytest -q -n 0 tests/test_rmsnorm.py tests/test_rmsnorm_backward.py tests/test_decode_ops.py \
         tests/test_model.py tests/test_generation.py tests/test_sampling.py tests/test_moe.py tests/test_engine.py \
         tests/test_kernels_compile.py > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;

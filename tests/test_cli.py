@@ -296,7 +296,8 @@ def test_a_reader_that_stops_early_ends_it_quietly(model_dir):
 def test_a_full_disk_or_a_closed_stdout_is_one_line(model_dir):
     """`> /dev/full` (every write fails: no space) and `>&-` (no stdout at all): one line each
     and status 1, not a traceback (nor a second error from the interpreter's last flush)."""
-    args = ("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--max-new-tokens", "8")
+    args = ("--model", str(model_dir), "--prompt", "def add(a, b):", "--no-chat", "--max-new-tokens", "8",
+            "--device", "cpu")  # start_cli's interpreter runs kernels on CPU tensors
     with open("/dev/full", "w") as full:
         cli = start_cli(*args, stdout=full)
         _, stderr = cli.communicate(timeout=120)
