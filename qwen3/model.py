@@ -163,9 +163,12 @@ class Qwen3ForCausalLM(nn.Module):
         progress: bool = True,
         tensor_parallel: bool = False,
         kernels: str | None = None,
+        revision: str | None = None,
     ) -> "Qwen3ForCausalLM":
-        """Load a Hugging Face Qwen3 checkpoint directory (config.json, model.safetensors or a
-        sharded model.safetensors.index.json, optionally generation_config.json).
+        """Load a Hugging Face Qwen3 checkpoint (config.json, model.safetensors or a sharded
+        model.safetensors.index.json, optionally generation_config.json): `path` is its directory,
+        or a Hugging Face repo id ("Qwen/Qwen3-8B") at `revision`, found in huggingface_hub's cache
+        or downloaded into it (qwen3/hub.py; a directory that exists always wins).
 
         dtype: a torch dtype or its name ("bfloat16", "float32", "float16"), or "auto" for the
             checkpoint's; None: float32 on the CPU (where 16-bit matmuls run several times
@@ -185,14 +188,16 @@ class Qwen3ForCausalLM(nn.Module):
             logits and the same tokens. "cuda" means cuda:LOCAL_RANK. Inference only (the
             parameters do not require grad). A ValueError without a process group, for a model
             whose heads (or F, V) do not divide over the ranks, and for Qwen3-MoE checkpoints.
+        revision: the branch, tag or commit of a repo id (default: its main branch).
 
         Every tensor's name and shape is checked against the config before anything is copied;
         a mismatch raises a ValueError naming the file and the tensor.
         """
+        from .hub import resolve_checkpoint
         from .loader import load_model
 
-        return load_model(cls, path, dtype=dtype, device=device, norm_impl=norm_impl, progress=progress,
-                          tensor_parallel=tensor_parallel, kernels=kernels)
+        return load_model(cls, resolve_checkpoint(path, revision), dtype=dtype, device=device, norm_impl=norm_impl,
+                          progress=progress, tensor_parallel=tensor_parallel, kernels=kernels)
 
     def set_norm_impl(self, impl: str) -> None:
         """Switch every RMSNorm in the model (input, post-attention, q, k, final) to `impl`."""

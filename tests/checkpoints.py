@@ -92,3 +92,20 @@ def save_tokenizer(directory: Path, vocab_size: int = SMALL["vocab_size"], chat:
         wrapped.chat_template = CHAT_TEMPLATE
     wrapped.save_pretrained(directory)
     return directory
+
+
+def hub_cache(cache: Path, repo_id: str, checkpoint: Path, revisions: tuple[str, ...] = ("main",)) -> Path:
+    """checkpoint's files laid out as huggingface_hub's cache holds a download of repo_id
+    (models--ORG--NAME/refs/REVISION naming a commit, snapshots/COMMIT/ with the files), as if
+    fetched at each of `revisions`; returns the snapshot directory."""
+    import hashlib
+    import shutil
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()  # any 40 hex digits: what refs/main names
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(checkpoint, snapshot, symlinks=False)
+    (repo / "refs").mkdir()
+    for revision in revisions:
+        (repo / "refs" / revision).write_text(commit)
+    return snapshot

@@ -20,7 +20,7 @@ def load_script(name: str):
     return module
 
 
-GENERATE = load_script("generate")
+GENERATE = importlib.import_module("cli.generate")  # what scripts/generate.py and qwen3-generate run
 
 
 @dataclass

@@ -68,12 +68,13 @@ class Served:
                 self.proc.wait()
 
 
-def start_server(model_dir: Path, log: Path, *flags: str) -> Served:
-    """serve.py on 127.0.0.1, a port of the system's choice, the CPU; back once /health answers 200."""
-    cmd = [sys.executable, str(SERVE_PY), "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
-           "--device", "cpu", *flags]
+def start_server(model_dir: Path, log: Path, *flags: str, command: tuple[str, ...] = (sys.executable, str(SERVE_PY)),
+                 cwd: Path = ROOT) -> Served:
+    """serve.py (or `command`, run in cwd) on 127.0.0.1, a port of the system's choice, the CPU; back
+    once /health answers 200."""
+    cmd = [*command, "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *flags]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=cwd)
     deadline = time.monotonic() + SERVER_START_S
     url = None
     while time.monotonic() < deadline:
@@ -103,11 +104,9 @@ def serving(model_dir: Path, folder: Path, *flags: str):
 
 
 def load_serve_py():
-    """scripts/serve.py as a module: its checks run in this process, as the command runs them."""
-    spec = importlib.util.spec_from_file_location("serve_py", SERVE_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """cli/serve.py (what scripts/serve.py and qwen3-serve run): its checks run in this process, as
+    the command runs them."""
+    return importlib.import_module("cli.serve")
 
 
 def health(url: str) -> dict:

@@ -3,6 +3,7 @@ front ends, generate.py and serve.py): its main() called in this process with th
 the file descriptors of stdout and stderr and its exit status, as a shell sees them; in a process of
 its own where the process is what is tested (a signal, a closed pipe, a full disk, a closed stdout)."""
 
+import importlib
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import hf_model, save, save_tokenizer
-from in_process import GENERATE, call_main, load_script
+from in_process import call_main
 
 from ops import resolve_impl
 from runtime.text import TextStream, load_tokenizer, prompt_ids
@@ -162,12 +163,12 @@ def test_auto_norm_is_triton_on_cuda_and_torch_on_the_cpu():
 
 
 @pytest.mark.parametrize("script, without_default", [
-    ("generate", {"--help", "--prompt", "--prompt-file", "--tensor-parallel"}),
+    ("generate", {"--help", "--prompt", "--prompt-file", "--tensor-parallel", "--interactive"}),
     ("serve", {"--help"}),
 ])
 def test_help_shows_every_flags_default(script, without_default, capfd):
     """Each flag that --help lists says its default (but those that have none: the prompts, a switch)."""
-    module = GENERATE if script == "generate" else load_script("serve")
+    module = importlib.import_module(f"cli.{script}")
     result = call_main(module.parse_args, ["--help"], capfd)
     assert result.returncode == 0, result.stderr
     entries = re.split(r"\n  (?=-)", result.stdout.split("options:")[1])  # a flag's entry is indented by two

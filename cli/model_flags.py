@@ -1,0 +1,32 @@
+"""--model and --revision, the same in every command: a checkpoint directory, or a Hugging Face repo id
+resolved through huggingface_hub's cache (qwen3/hub.py)."""
+
+import argparse
+from pathlib import Path
+
+from qwen3.hub import resolve_checkpoint
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"  # in a checkout
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR|REPO",
+                   help="a checkpoint directory in Hugging Face layout, or a Hugging Face repo id (Qwen/Qwen3-8B): "
+                        "downloaded once into huggingface_hub's cache (HF_HOME), only the files the model needs; "
+                        "HF_HUB_OFFLINE=1 reads the cache alone. A directory that exists wins over a repo id "
+                        "(default: weights/qwen3-stdlib-tiny, the shipped model)")
+    p.add_argument("--revision", default=None, metavar="REV",
+                   help="the branch, tag or commit of a --model repo id (default: its main branch)")
+
+
+def find_checkpoint(model: str, revision: str | None) -> Path:
+    """The checkpoint directory --model names. ValueError, a bad flag's one line (status 2), when
+    there is none: the default outside a checkout (installed from a wheel), no such directory or
+    repo, a repo offline and not in the cache. OSError when a download fails (status 1)."""
+    if model == str(DEFAULT_MODEL) and not DEFAULT_MODEL.is_dir():
+        raise ValueError("no --model given, and the shipped model (weights/qwen3-stdlib-tiny) is only in a checkout "
+                         "of the repository: pass --model DIR, or a Hugging Face repo id such as Qwen/Qwen3-0.6B")
+    try:
+        return resolve_checkpoint(model, revision)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"--model: {err}") from None
