@@ -10,6 +10,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -86,6 +87,22 @@ def test_draws_follow_transformers_filters(case, how):
     deviations = ((freq - expected).abs() - 1 / n).clamp(min=0) / sigma.clamp(min=1e-12)
     assert deviations[expected > 0].max() <= SAMPLING_MAX_DEVIATIONS
     assert (expected > 0).sum() == 1 if case == "top_p-crossed-by-the-first-token" else (expected > 0).sum() > 1
+
+
+@pytest.mark.parametrize("how", ["reference", pytest.param("fused", marks=requires_cuda)])
+def test_presence_penalty_lowers_each_seen_tokens_logit_by_its_amount(how):
+    """Two likely tokens, one seen: the draws split between them as transformers' sequence bias of
+    -presence_penalty on the seen one splits them (0.32 / 0.68 at 0.75; 0.5 would give 0.38)."""
+    params = SamplingParams(presence_penalty=0.75)
+    logits = torch.full((V,), -10.0)
+    logits[SEEN[1]], logits[1] = 3.0, 3.0  # token 1 is odd: never seen
+    n = 20000
+    freq = torch.bincount(draws(logits, params, n, how), minlength=V).double() / n
+    bias = SequenceBiasLogitsProcessor(sequence_bias=[[[t], -params.presence_penalty] for t in SEEN])
+    expected = bias(torch.tensor([SEEN]), logits[None].clone()).softmax(-1)[0].double()
+    sigma = (expected * (1 - expected) / n).sqrt()
+    for token in (SEEN[1], 1):
+        assert abs(freq[token] - expected[token]) <= SAMPLING_MAX_DEVIATIONS * sigma[token], (token, freq[token])
 
 
 MIXED = [
