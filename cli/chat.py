@@ -1,0 +1,292 @@
+"""A conversation in the terminal (qwen3-chat, or generate.py --interactive). Each line typed at the
+`> ` prompt (shown when stdin is a terminal; piped lines get the replies alone) is a user turn; the
+reply streams to stdout, then a status line goes to stderr: "[412 tokens in the conversation, 31 new
+at 30.2 tok/s]". A turn's prompt is the whole conversation through the checkpoint's chat template
+(enable_thinking per --thinking, on by default): each turn prefills it all again, which a prefix cache
+in the serving engine would spare by reusing the previous turn's keys and values.
+
+Qwen3's reasoning, between `<think>` and `</think>` at the start of a reply, is shown dimmed (ANSI) when
+stdout is a terminal, else under a line `[thinking]`, the answer under a line `[answer]`. The history
+keeps the answer only, as Qwen3's template expects; a reply cut off before `</think>` is all reasoning.
+Without a chat template (a base model, as weights/qwen3-stdlib-tiny) or with --no-chat, a turn's prompt
+is the lines and replies so far joined as they are, then the new line (a note at the start says so).
+
+/reset forgets the history; /exit or Ctrl-D ends the session (status 0); a blank line is ignored.
+Ctrl-C during a reply stops it and leaves that exchange out of the history; Ctrl-C at the prompt ends
+the session as it ends generate.py (status 130). A turn that would not fit the model's context with
+--max-new-tokens drops the oldest exchanges, as few as make it fit, and says how many; a line that does not fit
+even alone is not sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from runtime.generate import resolve_eos
+from runtime.text import TextStream
+
+from . import generate as cli
+
+OPEN, CLOSE = "<think>", "</think>"  # ordinary text in Qwen3's tokenizer, not special tokens
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+PROMPT = "> "
+
+
+class Part(Enum):
+    """A part of a reply; its value is its label where the reasoning cannot be dimmed."""
+
+    REASONING = "thinking"
+    ANSWER = "answer"
+
+
+class ReasoningSplitter:
+    """Splits a reply streamed in pieces (cut anywhere, inside a tag too) into reasoning and answer.
+    A reply that starts (after blank space) with <think> reasons until </think>; one that does not
+    is all answer. `thinking=True`: the prompt itself opened the think block. The newlines that follow
+    a tag are dropped, as Qwen3's template drops them from the reasoning and the answer it stores."""
+
+    def __init__(self, thinking: bool = False):
+        self.part: Part | None = Part.REASONING if thinking else None  # None: not yet known
+        self.held = ""  # text that may still turn out to be (part of) a tag
+        self.after_tag = thinking  # the next text follows a tag: its leading newlines go
+        self.answer = ""  # the answer so far: what the history keeps
+
+    def feed(self, piece: str) -> list[tuple[Part, str]]:
+        """The parts of the text now certain, in order."""
+        self.held += piece
+        out: list[tuple[Part, str]] = []
+        if self.part is None:
+            start = self.held.lstrip()
+            if start.startswith(OPEN):
+                self.part, self.held, self.after_tag = Part.REASONING, start[len(OPEN):], True
+            elif OPEN.startswith(start):
+                return out  # blank space or a part of <think>: wait for more
+            else:
+                self.part = Part.ANSWER
+        if self.part is Part.REASONING:
+            before, closed, after = self.held.partition(CLOSE)
+            if closed:
+                self.emit(out, Part.REASONING, before)
+                self.part, self.held, self.after_tag = Part.ANSWER, after, True
+            else:
+                cut = len(self.held) - held_tail(self.held, CLOSE)
+                self.emit(out, Part.REASONING, self.held[:cut])
+                self.held = self.held[cut:]
+        if self.part is Part.ANSWER:
+            self.emit(out, Part.ANSWER, self.held)
+            self.held = ""
+        return out
+
+    def finish(self) -> list[tuple[Part, str]]:
+        """What was held back at the end of the reply: a tag begun but never finished is text."""
+        out: list[tuple[Part, str]] = []
+        self.emit(out, self.part or Part.ANSWER, self.held)
+        self.held = ""
+        return out
+
+    def emit(self, out: list[tuple[Part, str]], part: Part, text: str) -> None:
+        if self.after_tag:
+            text = text.lstrip("\n")
+            self.after_tag = not text
+        if text:
+            out.append((part, text))
+            self.answer += text if part is Part.ANSWER else ""
+
+
+def held_tail(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`: text that a next piece may complete."""
+    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+class ReplyView:
+    """Writes a reply's parts to stdout: on a terminal the reasoning dimmed; elsewhere under a line
+    [thinking], the answer that follows it under a line [answer] (no label for a reply without one)."""
+
+    def __init__(self, out: cli.Stdout, terminal: bool):
+        self.out, self.terminal = out, terminal
+        self.part: Part | None = None
+
+    def show(self, parts: list[tuple[Part, str]]) -> None:
+        for part, text in parts:
+            if part is not self.part:
+                self.switch(part)
+            self.out.write(text)
+
+    def switch(self, part: Part) -> None:
+        """Reasoning comes first, if at all: the answer is set apart only from reasoning before it."""
+        after_reasoning, self.part = self.part is Part.REASONING, part
+        if part is Part.ANSWER and not after_reasoning:
+            return
+        self.out.end_line()  # the reasoning's and the answer's own lines
+        if self.terminal:
+            self.escape(DIM if part is Part.REASONING else PLAIN)
+        else:
+            self.out.write(f"[{part.value}]\n")
+
+    def close(self, stopped: bool = False) -> None:
+        """Ends the reply: its dimming and its line. The ^C a terminal echoes at Ctrl-C leaves the line open."""
+        if self.terminal and self.part is Part.REASONING:
+            self.escape(PLAIN)
+        if stopped and self.terminal:
+            self.out.write("\n")
+        else:
+            self.out.end_line()
+
+    def escape(self, code: str) -> None:
+        """An ANSI code moves no cursor: the line stays as open (or ended) as it was."""
+        line_open = self.out.line_open
+        self.out.write(code)
+        self.out.line_open = line_open
+
+
+@dataclass
+class Conversation:
+    """The exchanges so far (typed line, stored answer) and how a turn's prompt renders from them."""
+
+    tokenizer: object
+    chat: bool
+    thinking: bool
+    exchanges: list[tuple[str, str]] = field(default_factory=list)
+
+    def prompt_text(self, line: str, exchanges: list[tuple[str, str]]) -> str:
+        if not self.chat:
+            return "".join(user + answer for user, answer in exchanges) + line
+        messages = [m for user, answer in exchanges
+                    for m in ({"role": "user", "content": user}, {"role": "assistant", "content": answer})]
+        return self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": line}],
+                                                  add_generation_prompt=True, enable_thinking=self.thinking,
+                                                  tokenize=False)
+
+    def fit(self, line: str, room: int) -> tuple[str, list[int], int] | None:
+        """The turn's prompt text and ids with as few of the oldest exchanges dropped as leave `room`
+        tokens for the prompt, and how many were dropped; None if the line alone does not fit."""
+        for dropped in range(len(self.exchanges) + 1):
+            text = self.prompt_text(line, self.exchanges[dropped:])
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) <= room:
+                return text, ids, dropped
+        return None
+
+
+def converse(model, tokenizer, args, out: cli.Stdout) -> None:
+    """The session: turns until /exit or the end of input; see the module's docstring."""
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        cli.fail("standard input is closed, so there are no lines to read")
+    context = model.config.max_position_embeddings
+    if args.max_new_tokens >= context:
+        cli.bad_flag(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in the model's context "
+                     f"of {context} tokens; at most {context - 1}")
+    chat = args.chat is not False and bool(tokenizer.chat_template)
+    if not chat:
+        why = "--no-chat" if args.chat is False else f"{args.model} has no chat template"
+        print(f"{cli.PROG}: note: {why}: each line continues the conversation's text as a plain prompt",
+              file=sys.stderr)
+    conversation = Conversation(tokenizer, chat, thinking=args.thinking is not False)
+    session = Session(model, tokenizer, args, out, conversation, dim=sys.stdout.isatty())
+    typed = sys.stdin.isatty()  # a person types: show a prompt; piped lines get the replies only
+    editing = typed and sys.stdout.isatty()
+    if editing:
+        import readline  # noqa: F401  line editing and history for input()
+    while (line := read_line(out, PROMPT if typed else "", editing)) is not None and line.strip() != "/exit":
+        if line.strip() == "/reset":
+            conversation.exchanges.clear()
+            print("[history cleared]", file=sys.stderr)
+        elif line.strip():
+            session.turn(line)
+
+
+def read_line(out: cli.Stdout, prompt: str, editing: bool) -> str | None:
+    """The next line; None at the end of input (Ctrl-D). Ctrl-C here ends the session.
+    With line editing, readline draws the prompt (to redraw it as the line is edited); else stdout's
+    writer does, which reports a failing stdout as such (input() raises a bare OSError, even for no prompt)."""
+    try:
+        if editing:
+            line = input(prompt)
+        else:
+            out.write(prompt)
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+        line.encode()  # bytes that stdin's encoding cannot decode may arrive as lone surrogates (surrogateescape)
+    except EOFError:
+        out.write("\n" if prompt else "")  # the shell's prompt starts a line of its own
+        return None
+    except KeyboardInterrupt:
+        out.write("\n" if prompt else "")  # and so does main's "interrupted" line
+        raise
+    except UnicodeError:
+        cli.fail("a line of standard input holds bytes that are not text in its encoding (UTF-8 as a rule)")
+    return line.removesuffix("\n")
+
+
+@dataclass
+class Session:
+    """What each turn uses: the model and its tokenizer, the flags, stdout, the conversation so far."""
+
+    model: object
+    tokenizer: object
+    args: argparse.Namespace
+    out: cli.Stdout
+    conversation: Conversation
+    dim: bool  # stdout is a terminal: the reasoning is dimmed rather than labelled
+
+    def turn(self, line: str) -> None:
+        """One exchange: the prompt fitted to the context, the reply streamed, the history extended."""
+        context, new = self.model.config.max_position_embeddings, self.args.max_new_tokens
+        fitted = self.conversation.fit(line, context - new)
+        if fitted is None:
+            print(f"{cli.PROG}: this line and --max-new-tokens {new} exceed the model's context of {context} "
+                  "tokens: not sent; type a shorter one", file=sys.stderr)
+            return
+        text, ids, dropped = fitted
+        if dropped:
+            print(f"{cli.PROG}: note: the conversation outgrew the model's context of {context} tokens: dropped "
+                  f"the {dropped} oldest exchange(s)", file=sys.stderr)
+            del self.conversation.exchanges[:dropped]
+        opened = self.conversation.chat and text.rstrip().endswith(OPEN)  # the template opened the think block
+        answer = self.reply(ids, ReasoningSplitter(opened))
+        if answer is None:
+            print("[stopped: this exchange is left out of the history]", file=sys.stderr)
+        else:
+            self.conversation.exchanges.append((line, answer))
+
+    def reply(self, ids: list[int], splitter: ReasoningSplitter) -> str | None:
+        """Generates the reply to `ids`, writing it as it comes, then its status line; its answer, or None
+        if Ctrl-C stopped it."""
+        model, args, view = self.model, self.args, ReplyView(self.out, self.dim)
+        eos = {self.tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
+        stream = TextStream(self.tokenizer)
+        new_tokens = 0
+
+        def on_token(new: torch.Tensor) -> None:
+            nonlocal new_tokens
+            new_tokens += 1
+            view.show(splitter.feed(stream.push(int(new[0]))))
+
+        start = time.perf_counter()
+        try:
+            model.generate(
+                torch.tensor([ids]), max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos) or None,
+                seed=args.seed, on_token=on_token, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                presence_penalty=args.presence_penalty, cuda_graph=args.cuda_graph,
+            )
+            seconds = time.perf_counter() - start
+            view.show(splitter.feed(stream.flush()))  # what push held back: an unfinished multi-byte character
+            view.show(splitter.finish())
+        except KeyboardInterrupt:
+            view.close(stopped=True)
+            return None
+        except (ValueError, torch.OutOfMemoryError) as err:
+            view.close()
+            cli.fail(err)
+        view.close()
+        print(f"[{len(ids) + new_tokens} tokens in the conversation, {new_tokens} new at "
+              f"{new_tokens / max(seconds, 1e-9):.1f} tok/s]", file=sys.stderr)
+        return splitter.answer
