@@ -14,12 +14,18 @@ import sys
 
 
 def generate_command(prog: str = "qwen3-generate") -> None:
+    from . import output
+
+    output.PROG = prog  # the name of a Ctrl-C's line during the imports below
     from . import generate  # a Ctrl-C during its imports ends in one line there
 
     sys.exit(generate.main(prog=prog))
 
 
 def chat_command(prog: str = "qwen3-chat") -> None:
+    from . import output
+
+    output.PROG = prog
     from . import generate
 
     sys.exit(generate.main(["--interactive", *sys.argv[1:]], prog=prog))

@@ -9,18 +9,22 @@ Qwen3's reasoning, between `<think>` and `</think>` at the start of a reply, is 
 stdout is a terminal, else under a line `[thinking]`, the answer under a line `[answer]`. The history
 keeps the answer only, as Qwen3's template expects; a reply cut off before `</think>` is all reasoning.
 Without a chat template (a base model, as weights/qwen3-stdlib-tiny) or with --no-chat, a turn's prompt
-is the lines and replies so far joined as they are, then the new line (a note at the start says so).
+is the lines and replies so far, each typed line starting a line of the text (a note at the start
+says so), and no reasoning is looked for.
 
 /reset forgets the history; /exit or Ctrl-D ends the session (status 0); a blank line is ignored.
-Ctrl-C during a reply stops it and leaves that exchange out of the history; Ctrl-C at the prompt ends
-the session as it ends generate.py (status 130). A turn that would not fit the model's context with
---max-new-tokens drops the oldest exchanges, as few as make it fit, and says how many; a line that does not fit
-even alone is not sent.
+Ctrl-C during a reply stops it and leaves that exchange out of the history; Ctrl-C at the prompt
+drops the line being typed and shows a new prompt, as Python's own prompt does. A reply may take all
+the room the model's context leaves (at least REPLY_ROOM tokens of it), or at most --max-new-tokens
+when given; a turn that would not leave that room drops the oldest exchanges, as few as make it fit,
+and says how many; a line that does not fit even alone is not sent. A reply cut at its limit says so
+in its status line ("cut while thinking": Qwen3 reasons at length, give it room).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,11 +35,15 @@ import torch
 from runtime.generate import resolve_eos
 from runtime.text import TextStream
 
-from . import generate as cli
+from . import output
+from .output import Stdout, bad_flag, fail
 
 OPEN, CLOSE = "<think>", "</think>"  # ordinary text in Qwen3's tokenizer, not special tokens
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 PROMPT = "> "
+# The room a reply keeps when --max-new-tokens is not given, at most a quarter of the context: Qwen3's
+# reasoning alone often takes hundreds of tokens, and older exchanges go before a reply is squeezed.
+REPLY_ROOM = 2048
 
 
 class Part(Enum):
@@ -51,8 +59,9 @@ class ReasoningSplitter:
     is all answer. `thinking=True`: the prompt itself opened the think block. The newlines that follow
     a tag are dropped, as Qwen3's template drops them from the reasoning and the answer it stores."""
 
-    def __init__(self, thinking: bool = False):
-        self.part: Part | None = Part.REASONING if thinking else None  # None: not yet known
+    def __init__(self, thinking: bool = False, plain: bool = False):
+        """plain: no chat template, so no reasoning: every piece is answer."""
+        self.part: Part | None = Part.REASONING if thinking else Part.ANSWER if plain else None  # None: not yet known
         self.held = ""  # text that may still turn out to be (part of) a tag
         self.after_tag = thinking  # the next text follows a tag: its leading newlines go
         self.answer = ""  # the answer so far: what the history keeps
@@ -108,7 +117,7 @@ class ReplyView:
     """Writes a reply's parts to stdout: on a terminal the reasoning dimmed; elsewhere under a line
     [thinking], the answer that follows it under a line [answer] (no label for a reply without one)."""
 
-    def __init__(self, out: cli.Stdout, terminal: bool):
+    def __init__(self, out: Stdout, terminal: bool):
         self.out, self.terminal = out, terminal
         self.part: Part | None = None
 
@@ -156,7 +165,8 @@ class Conversation:
 
     def prompt_text(self, line: str, exchanges: list[tuple[str, str]]) -> str:
         if not self.chat:
-            return "".join(user + answer for user, answer in exchanges) + line
+            text = "".join(user + answer for user, answer in exchanges)
+            return text + ("\n" if text and not text.endswith("\n") else "") + line  # a typed line starts a line
         messages = [m for user, answer in exchanges
                     for m in ({"role": "user", "content": user}, {"role": "assistant", "content": answer})]
         return self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": line}],
@@ -174,26 +184,24 @@ class Conversation:
         return None
 
 
-def converse(model, tokenizer, args, out: cli.Stdout) -> None:
+def converse(model, tokenizer, args, out: Stdout) -> None:
     """The session: turns until /exit or the end of input; see the module's docstring."""
     if sys.stdin is None:  # started with stdin closed (`<&-`)
-        cli.fail("standard input is closed, so there are no lines to read")
+        fail("standard input is closed, so there are no lines to read")
     context = model.config.max_position_embeddings
-    if args.max_new_tokens >= context:
-        cli.bad_flag(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in the model's context "
+    if args.max_new_tokens is not None and args.max_new_tokens >= context:
+        bad_flag(f"--max-new-tokens {args.max_new_tokens}: leaves no room for a prompt in the model's context "
                      f"of {context} tokens; at most {context - 1}")
     chat = args.chat is not False and bool(tokenizer.chat_template)
     if not chat:
         why = "--no-chat" if args.chat is False else f"{args.model} has no chat template"
-        print(f"{cli.PROG}: note: {why}: each line continues the conversation's text as a plain prompt",
+        print(f"{output.PROG}: note: {why}: each line continues the conversation's text as a plain prompt",
               file=sys.stderr)
     conversation = Conversation(tokenizer, chat, thinking=args.thinking is not False)
-    session = Session(model, tokenizer, args, out, conversation, dim=sys.stdout.isatty())
+    dim = sys.stdout.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"  # no-color.org
+    session = Session(model, tokenizer, args, out, conversation, dim=dim)
     typed = sys.stdin.isatty()  # a person types: show a prompt; piped lines get the replies only
-    editing = typed and sys.stdout.isatty()
-    if editing:
-        import readline  # noqa: F401  line editing and history for input()
-    while (line := read_line(out, PROMPT if typed else "", editing)) is not None and line.strip() != "/exit":
+    while (line := read_line(out, PROMPT if typed else "")) is not None and line.strip() != "/exit":
         if line.strip() == "/reset":
             conversation.exchanges.clear()
             print("[history cleared]", file=sys.stderr)
@@ -201,27 +209,25 @@ def converse(model, tokenizer, args, out: cli.Stdout) -> None:
             session.turn(line)
 
 
-def read_line(out: cli.Stdout, prompt: str, editing: bool) -> str | None:
-    """The next line; None at the end of input (Ctrl-D). Ctrl-C here ends the session.
-    With line editing, readline draws the prompt (to redraw it as the line is edited); else stdout's
-    writer does, which reports a failing stdout as such (input() raises a bare OSError, even for no prompt)."""
+def read_line(out: Stdout, prompt: str) -> str | None:
+    """The next line; None at the end of input (Ctrl-D); "" (nothing to send) after Ctrl-C. The
+    terminal's own line editing (its cooked mode: backspace, Ctrl-U, Ctrl-W) edits the line, and
+    its Ctrl-C discards what was typed, as a new prompt should. Not readline: after Ctrl-C, input()
+    would show the discarded line again at the next prompt and send it with the next one."""
     try:
-        if editing:
-            line = input(prompt)
-        else:
-            out.write(prompt)
-            line = sys.stdin.readline()
-            if not line:
-                raise EOFError
+        out.write(prompt)  # through stdout's writer, which reports a failing stdout as such
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
         line.encode()  # bytes that stdin's encoding cannot decode may arrive as lone surrogates (surrogateescape)
     except EOFError:
         out.write("\n" if prompt else "")  # the shell's prompt starts a line of its own
         return None
-    except KeyboardInterrupt:
-        out.write("\n" if prompt else "")  # and so does main's "interrupted" line
-        raise
+    except KeyboardInterrupt:  # at the prompt: the line typed so far is dropped, a new prompt follows
+        out.write("\n")
+        return ""
     except UnicodeError:
-        cli.fail("a line of standard input holds bytes that are not text in its encoding (UTF-8 as a rule)")
+        fail("a line of standard input holds bytes that are not text in its encoding (UTF-8 as a rule)")
     return line.removesuffix("\n")
 
 
@@ -232,47 +238,52 @@ class Session:
     model: object
     tokenizer: object
     args: argparse.Namespace
-    out: cli.Stdout
+    out: Stdout
     conversation: Conversation
     dim: bool  # stdout is a terminal: the reasoning is dimmed rather than labelled
 
     def turn(self, line: str) -> None:
         """One exchange: the prompt fitted to the context, the reply streamed, the history extended."""
-        context, new = self.model.config.max_position_embeddings, self.args.max_new_tokens
-        fitted = self.conversation.fit(line, context - new)
+        context, limit = self.model.config.max_position_embeddings, self.args.max_new_tokens
+        room = limit if limit is not None else min(REPLY_ROOM, context // 4)
+        fitted = self.conversation.fit(line, context - room)
         if fitted is None:
-            print(f"{cli.PROG}: this line and --max-new-tokens {new} exceed the model's context of {context} "
-                  "tokens: not sent; type a shorter one", file=sys.stderr)
+            what = f"--max-new-tokens {limit}" if limit is not None else f"the {room} tokens a reply keeps"
+            print(f"{output.PROG}: this line and {what} exceed the model's context of {context} tokens: not sent; "
+                  "type a shorter one", file=sys.stderr)
             return
         text, ids, dropped = fitted
         if dropped:
-            print(f"{cli.PROG}: note: the conversation outgrew the model's context of {context} tokens: dropped "
+            print(f"{output.PROG}: note: the conversation outgrew the model's context of {context} tokens: dropped "
                   f"the {dropped} oldest exchange(s)", file=sys.stderr)
             del self.conversation.exchanges[:dropped]
         opened = self.conversation.chat and text.rstrip().endswith(OPEN)  # the template opened the think block
-        answer = self.reply(ids, ReasoningSplitter(opened))
+        splitter = ReasoningSplitter(opened, plain=not self.conversation.chat)
+        answer = self.reply(ids, splitter, limit if limit is not None else context - len(ids))
         if answer is None:
             print("[stopped: this exchange is left out of the history]", file=sys.stderr)
         else:
             self.conversation.exchanges.append((line, answer))
 
-    def reply(self, ids: list[int], splitter: ReasoningSplitter) -> str | None:
-        """Generates the reply to `ids`, writing it as it comes, then its status line; its answer, or None
-        if Ctrl-C stopped it."""
+    def reply(self, ids: list[int], splitter: ReasoningSplitter, limit: int) -> str | None:
+        """Generates the reply to `ids`, at most `limit` tokens, writing it as it comes, then its status
+        line; its answer, or None if Ctrl-C stopped it."""
         model, args, view = self.model, self.args, ReplyView(self.out, self.dim)
         eos = {self.tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
         stream = TextStream(self.tokenizer)
         new_tokens = 0
 
+        last = None
+
         def on_token(new: torch.Tensor) -> None:
-            nonlocal new_tokens
-            new_tokens += 1
-            view.show(splitter.feed(stream.push(int(new[0]))))
+            nonlocal new_tokens, last
+            new_tokens, last = new_tokens + 1, int(new[0])
+            view.show(splitter.feed(stream.push(last)))
 
         start = time.perf_counter()
         try:
             model.generate(
-                torch.tensor([ids]), max_new_tokens=args.max_new_tokens, eos_token_id=sorted(eos) or None,
+                torch.tensor([ids]), max_new_tokens=limit, eos_token_id=sorted(eos) or None,
                 seed=args.seed, on_token=on_token, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                 presence_penalty=args.presence_penalty, cuda_graph=args.cuda_graph,
@@ -285,8 +296,10 @@ class Session:
             return None
         except (ValueError, torch.OutOfMemoryError) as err:
             view.close()
-            cli.fail(err)
+            fail(err)
         view.close()
+        cut = "" if last in eos or new_tokens < limit else \
+            ", cut while thinking" if splitter.part is Part.REASONING else ", cut at the limit"
         print(f"[{len(ids) + new_tokens} tokens in the conversation, {new_tokens} new at "
-              f"{new_tokens / max(seconds, 1e-9):.1f} tok/s]", file=sys.stderr)
+              f"{new_tokens / max(seconds, 1e-9):.1f} tok/s{cut}]", file=sys.stderr)
         return splitter.answer

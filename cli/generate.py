@@ -15,18 +15,14 @@ With --tensor-parallel, under torchrun, the model is split over the processes to
 import argparse
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import NoReturn
 
-PROG = "generate.py"  # the name its messages start with: main's prog (the installed command's own)
-
-
-def interrupted() -> int:
-    print(f"{PROG}: interrupted", file=sys.stderr)
-    return 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
-
+from . import output
+from .output import OutputError, Stdout, bad_flag, fail, interrupted, silence_stdout
 
 try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere else
     import torch
@@ -45,18 +41,6 @@ except KeyboardInterrupt:
     sys.exit(interrupted())
 
 FROM_CHECKPOINT = "default: the checkpoint's generation_config.json, else"
-
-
-def fail(message: object) -> NoReturn:
-    """Exit with status 1 and the message on one line of stderr."""
-    sys.exit(f"{PROG}: error: {' '.join(str(message).split())}")
-
-
-def bad_flag(message: object) -> NoReturn:
-    """Exit with status 2, --help's status for a bad flag, and the message on one line of stderr:
-    also for a flag that only the model or the device shows to be wrong."""
-    print(f"{PROG}: error: {' '.join(str(message).split())} (see --help)", file=sys.stderr)
-    sys.exit(2)
 
 
 class Parser(argparse.ArgumentParser):
@@ -81,7 +65,7 @@ def sampling_flag(name: str, parse):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=output.PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat it for a batch")
     p.add_argument("--prompt-file", type=Path, metavar="FILE",
                    help="a file with one prompt per line (blank lines skipped; - reads standard input), added to "
@@ -97,8 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
-                   help="at most this many new tokens (default: 128)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help="at most this many new tokens (default: 128; with --interactive, a reply may take all the "
+                        "room the model's context leaves)")
     p.add_argument("--temperature", type=sampling_flag("temperature", float), metavar="T",
                    help=f"0 = greedy ({FROM_CHECKPOINT} 1)")
     p.add_argument("--top-k", type=sampling_flag("top_k", int), metavar="K",
@@ -152,8 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--device must not be empty: cpu, cuda, cuda:1 ...")
     if not args.prompt and not args.interactive:
         p.error("give at least one --prompt (or --prompt-file), or --interactive for a conversation")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens is None and not args.interactive:
+        args.max_new_tokens = 128
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     if args.tensor_parallel and "WORLD_SIZE" not in os.environ:
@@ -189,34 +176,6 @@ def chat_note(args: argparse.Namespace, tokenizer) -> str | None:
         return None
     return (f"{args.model} has no chat template, so {' and '.join(asked)} changes nothing: "
             "the prompt is used as plain text")
-
-
-class OutputError(Exception):
-    """Writing the text to stdout failed (a full disk): not the reader leaving, a BrokenPipeError."""
-
-
-class Stdout:
-    """The text's way out: stdout, flushed at each piece, remembering whether its last line is
-    unfinished (so that an interruption can end it before stderr's line)."""
-
-    def __init__(self):
-        self.line_open = False
-
-    def write(self, text: str) -> None:
-        if not text:
-            return
-        self.line_open = not text.endswith("\n")  # first: Ctrl-C may land as soon as the text is out
-        try:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as err:
-            raise OutputError(err.strerror or str(err)) from err
-
-    def end_line(self) -> None:
-        if self.line_open:
-            self.write("\n")
 
 
 def run(args: argparse.Namespace, out: Stdout) -> None:
@@ -258,7 +217,7 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
         return
     note = chat_note(args, tokenizer)
     if note and show:
-        print(f"{PROG}: note: {note}", file=sys.stderr)
+        print(f"{output.PROG}: note: {note}", file=sys.stderr)
     chat, thinking = args.chat is not False, args.thinking is not False  # both on by default
     rows = [prompt_ids(tokenizer, p, chat=chat, thinking=thinking) for p in args.prompt]
     for prompt, row in zip(args.prompt, rows):
@@ -330,7 +289,7 @@ def find_checkpoint(model: str, revision: str | None) -> Path:
     """The checkpoint directory --model names, or the exit with one line: a bad flag (status 2), a
     failed download (1)."""
     try:
-        checkpoint = model_flags.find_checkpoint(model, revision)
+        checkpoint = model_flags.find_checkpoint(model, revision, stop=stop_at_once)
     except ValueError as err:
         bad_flag(err)
     except OSError as err:
@@ -339,6 +298,13 @@ def find_checkpoint(model: str, revision: str | None) -> Path:
         bad_flag(f"--model: no model at {model}: it has no config.json (pass --model DIR with a Hugging Face "
                  "Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
     return checkpoint
+
+
+def stop_at_once(sig: int) -> None:
+    """Ctrl-C (or SIGTERM) while a model downloads: the one line, and the exit without waiting for
+    the download's threads."""
+    os.write(2, f"{output.PROG}: interrupted\n".encode())
+    os._exit(130 if sig == signal.SIGINT else 128 + sig)
 
 
 def check_context(longest_prompt: int, max_new_tokens: int, context: int) -> None:
@@ -352,17 +318,10 @@ def check_context(longest_prompt: int, max_new_tokens: int, context: int) -> Non
                  f"{context - longest_prompt} fit")
 
 
-def silence_stdout() -> None:
-    """Point stdout at devnull, so that the interpreter's last flush of what is still buffered
-    does not fail again (and print a second error) at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 def main(argv=None, prog: str = "generate.py") -> int:
-    global PROG
-    PROG = prog
+    output.PROG = prog
     if sys.stdout is None:  # started with stdout closed (`>&-`): the text has nowhere to go
-        print(f"{PROG}: error: standard output is closed, so the text has nowhere to go", file=sys.stderr)
+        print(f"{output.PROG}: error: standard output is closed, so the text has nowhere to go", file=sys.stderr)
         return 1
     out = Stdout()
     try:
@@ -381,6 +340,6 @@ def main(argv=None, prog: str = "generate.py") -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for cat stopped the same way
     except OutputError as err:  # `> /dev/full`
         silence_stdout()
-        print(f"{PROG}: error: cannot write to standard output: {err}", file=sys.stderr)
+        print(f"{output.PROG}: error: cannot write to standard output: {err}", file=sys.stderr)
         return 1
     return 0

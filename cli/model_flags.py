@@ -2,6 +2,9 @@
 resolved through huggingface_hub's cache (qwen3/hub.py)."""
 
 import argparse
+import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from qwen3.hub import resolve_checkpoint
@@ -19,14 +22,24 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the branch, tag or commit of a --model repo id (default: its main branch)")
 
 
-def find_checkpoint(model: str, revision: str | None) -> Path:
+def find_checkpoint(model: str, revision: str | None, stop: Callable[[int], None]) -> Path:
     """The checkpoint directory --model names. ValueError, a bad flag's one line (status 2), when
     there is none: the default outside a checkout (installed from a wheel), no such directory or
-    repo, a repo offline and not in the cache. OSError when a download fails (status 1)."""
+    repo, a repo offline and not in the cache. OSError when a download fails (status 1).
+
+    While a repo downloads, SIGINT and SIGTERM call stop(signal), which must end the process at once
+    (os._exit): huggingface_hub answers Ctrl-C only once the files in flight have finished, minutes
+    for a model's shards; what a download leaves behind resumes the next time."""
     if model == str(DEFAULT_MODEL) and not DEFAULT_MODEL.is_dir():
         raise ValueError("no --model given, and the shipped model (weights/qwen3-stdlib-tiny) is only in a checkout "
                          "of the repository: pass --model DIR, or a Hugging Face repo id such as Qwen/Qwen3-0.6B")
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    signals = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
+    before = {sig: signal.signal(sig, lambda sig, frame: stop(sig)) for sig in signals}
     try:
         return resolve_checkpoint(model, revision)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"--model: {err}") from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -100,8 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port as uvicorn binds one (IPv6 when the host has a colon,
-    SO_REUSEADDR), or the exit with one line that says why not. It is bound before the engine
-    starts: a port in use ends here, before minutes of loading and with no engine process."""
+    SO_REUSEADDR), or the exit with one line that says why not. It is bound first: a port in use
+    ends here, before a download or minutes of loading, and with no engine process."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -144,9 +145,10 @@ def served_name(model: str, checkpoint: Path) -> str:
 
 
 def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    """What serve.py checks before it starts anything: the device, the checkpoint's config.json and
-    generation_config.json; each mistake is one line that names the file and the key (SystemExit).
-    The tokenizer is checked as it loads (tokenizer_of), the weights in the engine process."""
+    """What serve.py checks before it starts the engine: the device, --model (a repo id is fetched
+    here), the checkpoint's config.json and generation_config.json; each mistake is one line that
+    names the file and the key (SystemExit). The tokenizer is checked as it loads (tokenizer_of), the
+    weights in the engine process."""
     try:
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
@@ -168,8 +170,12 @@ def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 def find_checkpoint(model: str, revision: str | None) -> Path:
     """The checkpoint directory --model names, or the exit with one line: status 2 as for a bad
     flag, 1 for a failed download."""
+    def stop_at_once(sig: int) -> None:
+        say(f"{signal.Signals(sig).name} while downloading {model}: stopped")
+        os._exit(0)
+
     try:
-        return model_flags.find_checkpoint(model, revision)
+        return model_flags.find_checkpoint(model, revision, stop=stop_at_once)
     except ValueError as err:
         bad_flag(str(err))
     except OSError as err:
@@ -205,10 +211,12 @@ def wait_for_engine(engine: EngineProcess, model: Path) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    sock = bind(args.host, args.port)  # a port in use is known before a model downloads or loads
     device, dtype = check_model(args)
-    sock = bind(args.host, args.port)
-    engine = start_engine(args, device, dtype)
+    engine = None
     try:
+        with signals_held():  # a signal mid-start would leave a child half-sent its start-up data
+            engine = start_engine(args, device, dtype)
         from serve.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
 
         tokenizer = tokenizer_of(args)
@@ -224,11 +232,25 @@ def serve(args: argparse.Namespace) -> None:
         server = HTTPServer(create_app(engine, tokenizer, name), args.host, port, args.shutdown_timeout, say)
         server.run(sockets=[sock])
     finally:
-        engine.kill()  # already stopped by the app, unless it never started or a signal came first
+        if engine is not None:
+            engine.kill()  # already stopped by the app, unless it never started or a signal came first
     if not server.started:  # the app's startup failed; uvicorn has logged why
         sys.exit(1)
     if server.death is not None:
         fail(f"{server.death}; the server exits so that its supervisor can restart it")
+
+
+@contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held back for the block's length, then delivered: starting the engine
+    process writes its start-up data down a pipe, and a Stop raised in the middle of that write
+    would leave the child to die of the half it read, with a traceback on the server's stderr."""
+    signals = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
 def say(line: str) -> None:

@@ -7,19 +7,24 @@ Face repo id resolved through huggingface_hub's cache.
 A repo id goes through `huggingface_hub.snapshot_download`, so the cache, `HF_HOME`,
 `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN` and its progress bars are huggingface_hub's own, and
 a model downloaded by `hf download` or by transformers is found where they put it. Only the files
-the loader and the tokenizer read are fetched (CHECKPOINT_FILES), never a repo's other formats
-(a .bin or GGUF copy of the same weights, images, ...).
+the loader and the tokenizer read are fetched (SMALL_FILES, then the weights the index names), and
+the weights only once config.json shows a Qwen3 this code runs.
 """
 
+import json
 import os
 from pathlib import Path
 
-# What qwen3/loader.py and runtime/text.py read: the config, the generation settings, the tokenizer
-# (tokenizer.json; its config and chat template beside it) and the safetensors weights and index.
-CHECKPOINT_FILES = [
+# What qwen3/loader.py and runtime/text.py read besides the weights: the config, the generation
+# settings, the tokenizer (tokenizer.json; its config, special and added tokens, chat template) and
+# the safetensors index. The weights are the files the index names (or model.safetensors), fetched
+# once the config shows a model this code runs: never a repo's other copies (subfolders' checkpoints,
+# adapters, original/ formats) nor gigabytes of a model it would refuse.
+SMALL_FILES = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-    "special_tokens_map.json", "*.safetensors", "model.safetensors.index.json",
+    "special_tokens_map.json", "added_tokens.json", "model.safetensors.index.json",
 ]
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
 def looks_like_repo_id(name: str) -> bool:
@@ -44,8 +49,10 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
 
     FileNotFoundError for a path that is no directory and cannot be a repo id; ValueError (one line
     that says what to do) for a repo id that resolves to nothing: no such repo, a revision it lacks,
-    a repo not in the cache while offline (HF_HUB_OFFLINE=1, or no connection), a gated or private
-    repo without access, a revision given with a directory. OSError when a download fails."""
+    a repo not in the cache while offline (HF_HUB_OFFLINE=1, or no connection), or cached only in
+    part, a gated or private repo without access, a model this code does not run (its config.json
+    says so before any weights come), a revision given with a directory. OSError when a download
+    fails."""
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -56,15 +63,37 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
         return path
     if not looks_like_repo_id(str(name)):
         raise FileNotFoundError(f"model directory {path} does not exist")
-    return download(str(name), revision)
+    if revision is not None and (not revision.strip() or ".." in revision.split("/")):
+        raise ValueError(f"revision {revision!r} is no branch, tag or commit name")
+    snapshot = download(str(name), revision, SMALL_FILES)
+    from .config import Qwen3Config
+
+    Qwen3Config.from_json(snapshot)  # a model this code refuses is refused before its weights come
+    weights = weight_files(snapshot)
+    snapshot = download(str(name), revision, SMALL_FILES + weights)
+    missing = [f for f in ["config.json", *weights] if not (snapshot / f).is_file()]
+    if missing:  # a cache that a download cut short, or a tool that fetched some files only, offline
+        raise ValueError(f"the cached Hugging Face model {name} lacks {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}: download it again with a connection")
+    return snapshot
 
 
-def download(repo_id: str, revision: str | None) -> Path:
-    """The snapshot directory of repo_id at revision in the hub cache, fetched first unless it is there."""
+def weight_files(snapshot: Path) -> list[str]:
+    """The safetensors files the loader reads: the shards the index names, else model.safetensors."""
+    if not (snapshot / INDEX).is_file():
+        return [SINGLE]
+    try:
+        return sorted(set(json.loads((snapshot / INDEX).read_text())["weight_map"].values()))
+    except (ValueError, KeyError, AttributeError) as err:
+        raise ValueError(f"{snapshot / INDEX} is not a valid safetensors index: {err!r}") from None
+
+
+def download(repo_id: str, revision: str | None, files: list[str]) -> Path:
+    """The snapshot directory of repo_id at revision in the hub cache, with `files` (those the repo
+    has) fetched first unless they are there. Each way it can fail is one line."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HfHubHTTPError,
         LocalEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
@@ -72,7 +101,7 @@ def download(repo_id: str, revision: str | None) -> Path:
 
     at = f" at revision {revision}" if revision else ""
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=CHECKPOINT_FILES))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=files))
     except LocalEntryNotFoundError:
         why, fix = (("HF_HUB_OFFLINE is set", "unset HF_HUB_OFFLINE to download it once") if constants.HF_HUB_OFFLINE
                     else ("the Hugging Face hub cannot be reached", "download it once with a connection"))
@@ -86,5 +115,5 @@ def download(repo_id: str, revision: str | None) -> Path:
                          "hf auth login, or HF_TOKEN)") from None
     except RevisionNotFoundError:
         raise ValueError(f"the Hugging Face model {repo_id} has no revision {revision!r}") from None
-    except HfHubHTTPError as err:
-        raise OSError(f"downloading {repo_id}{at} failed: {' '.join(str(err).split())}") from None
+    except Exception as err:  # HTTP errors, a connection dropped mid-file (httpx), a proxy's refusal, Xet's errors
+        raise OSError(f"downloading {repo_id}{at} failed: {type(err).__name__}: {' '.join(str(err).split())}") from None

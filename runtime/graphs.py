@@ -62,8 +62,14 @@ class GraphRunner:
             for size in reversed(self.buckets):
                 warm_up_on(stream, lambda size=size: (warm_up or step)(size))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = step(size)
+                collecting = gc.isenabled()
+                gc.disable()  # and none runs during a capture
+                try:
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = step(size)
+                finally:
+                    if collecting:
+                        gc.enable()
                 self.graphs[size] = (graph, out)
 
     def bucket(self, n: int) -> int:

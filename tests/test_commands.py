@@ -49,8 +49,8 @@ def model_dir(tmp_path_factory):
     return save_tokenizer(path)
 
 
-def run(command: list, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=ENV, cwd=cwd)
+def run(command: list, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=ENV, cwd=cwd, input=stdin)
 
 
 def test_the_commands_run_the_installed_copy(venv_bin, tmp_path):
@@ -60,12 +60,16 @@ def test_the_commands_run_the_installed_copy(venv_bin, tmp_path):
         assert Path(line).is_relative_to(venv_bin.parent), line
 
 
-def test_qwen3_generate_prints_what_scripts_generate_py_prints(venv_bin, model_dir, run_cli, tmp_path):
+def test_qwen3_generate_and_qwen3_chat_print_what_scripts_generate_py_prints(venv_bin, model_dir, run_cli, tmp_path):
     args = ["--model", str(model_dir), "--prompt", "def add(a, b):", "--temperature", "0", "--max-new-tokens", "12",
             "--device", "cpu"]
     installed, script = run([venv_bin / "qwen3-generate", *args], tmp_path), run_cli(*args)
     assert installed.returncode == 0, installed.stderr
     assert installed.stdout == script.stdout and installed.stdout.strip()
+    chat_args = [a for a in args if a not in ("--prompt", "def add(a, b):")]
+    chat = run([venv_bin / "qwen3-chat", *chat_args], tmp_path, stdin="def add(a, b):\n")  # one turn, piped
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == installed.stdout  # the same prompt through the same chat template
 
 
 def test_each_command_names_itself_and_asks_for_a_model_outside_a_checkout(venv_bin, tmp_path):

@@ -72,6 +72,35 @@ def test_what_resolves_to_nothing_is_one_line_that_says_what_to_do(offline_cache
         resolve_checkpoint(tmp_path / "nowhere")  # a path, never a repo id
 
 
+def test_a_sharded_repo_resolves_to_the_shards_its_index_names_and_a_partial_cache_is_one_line(
+        tmp_path, monkeypatch, model_dir):
+    sharded = save(hf_model(seed=5), tmp_path / "sharded", max_shard_size="100KB")
+    save_tokenizer(sharded)
+    snapshot = hub_cache(tmp_path / "hub", "tester/sharded", sharded)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ids = torch.tensor([[3, 14, 15]])
+    with torch.no_grad():
+        assert torch.equal(Qwen3ForCausalLM.from_pretrained("tester/sharded", progress=False)(ids),
+                           Qwen3ForCausalLM.from_pretrained(model_dir, progress=False)(ids))
+    shard = sorted(snapshot.glob("model-*.safetensors"))[1]
+    shard.unlink()  # a download cut short
+    with pytest.raises(ValueError, match=f"the cached Hugging Face model tester/sharded lacks {shard.name}: "
+                                         "download it again with a connection"):
+        resolve_checkpoint("tester/sharded")
+
+
+def test_a_model_this_code_does_not_run_is_refused_by_its_config_before_its_weights(tmp_path, monkeypatch):
+    other = tmp_path / "llama"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    hub_cache(tmp_path / "hub", "tester/llama", other)  # its config alone: no weights were ever needed
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="unsupported model: architectures=\\['LlamaForCausalLM'\\]"):
+        resolve_checkpoint("tester/llama")
+
+
 @pytest.mark.parametrize("name, is_id", [
     ("Qwen/Qwen3-8B", True), ("gpt2", True), ("org/name.v2_x", True),
     ("/abs/dir", False), ("./rel", False), ("../up", False), ("~/home", False), ("a/b/c", False),

@@ -243,8 +243,8 @@ DAMAGED = [  # (file, its new content, what the one line says after "cannot load
 @pytest.mark.parametrize("name, content, says", DAMAGED, ids=[f"{n}-{'gone' if c is None else len(c)}"
                                                               for n, c, _ in DAMAGED])
 def test_a_damaged_checkpoint_file_ends_serve_py_with_one_line_naming_it(tmp_path, name, content, says):
-    """What serve.py checks in its own process (config.json and generation_config.json before the port
-    is bound, the tokenizer while the engine loads): one line naming the file (and the key)."""
+    """What serve.py checks in its own process (config.json and generation_config.json before the engine
+    starts, the tokenizer while the engine loads): one line naming the file (and the key)."""
     model = damaged_model(tmp_path, name, content)
     serve = load_serve_py()
     args = serve.parse_args(["--model", str(model), "--device", "cpu"])
