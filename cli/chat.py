@@ -32,7 +32,7 @@ from enum import Enum
 
 import torch
 
-from runtime.generate import resolve_eos
+from runtime.generate import stop_ids
 from runtime.text import TextStream
 
 from . import output
@@ -269,7 +269,7 @@ class Session:
         """Generates the reply to `ids`, at most `limit` tokens, writing it as it comes, then its status
         line; its answer, or None if Ctrl-C stopped it."""
         model, args, view = self.model, self.args, ReplyView(self.out, self.dim)
-        eos = {self.tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
+        eos = stop_ids(model, self.tokenizer)
         stream = TextStream(self.tokenizer)
         new_tokens = 0
 

@@ -31,7 +31,7 @@ try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere 
     from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels
     from qwen3 import Qwen3ForCausalLM
     from qwen3.loader import DTYPES, resolve_device
-    from runtime.generate import pad_left, resolve_eos
+    from runtime.generate import pad_left, stop_ids
     from runtime.sampling import problem
     from runtime.text import TextStream, load_tokenizer, prompt_ids
 
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
         if not row:
             bad_flag(f"--prompt: the prompt {prompt!r} encodes to no tokens")
     check_context(max(len(row) for row in rows), args.max_new_tokens, model.config.max_position_embeddings)
-    eos = {tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
+    eos = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos, default=0)
     input_ids, attention_mask = pad_left(rows, pad)
 

@@ -11,7 +11,6 @@ the loader and the tokenizer read are fetched (SMALL_FILES, then the weights the
 the weights only once config.json shows a Qwen3 this code runs.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -24,7 +23,6 @@ SMALL_FILES = [
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
     "special_tokens_map.json", "added_tokens.json", "model.safetensors.index.json",
 ]
-INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 
 
 def looks_like_repo_id(name: str) -> bool:
@@ -80,12 +78,10 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
 
 def weight_files(snapshot: Path) -> list[str]:
     """The safetensors files the loader reads: the shards the index names, else model.safetensors."""
-    if not (snapshot / INDEX).is_file():
-        return [SINGLE]
-    try:
-        return sorted(set(json.loads((snapshot / INDEX).read_text())["weight_map"].values()))
-    except (ValueError, KeyError, AttributeError) as err:
-        raise ValueError(f"{snapshot / INDEX} is not a valid safetensors index: {err!r}") from None
+    from .loader import SINGLE_FILE, index_shards
+
+    shards = index_shards(snapshot)
+    return sorted(shards) if shards is not None else [SINGLE_FILE]
 
 
 def download(repo_id: str, revision: str | None, files: list[str]) -> Path:

@@ -73,16 +73,24 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device, checkpo
     return dtype
 
 
+def index_shards(path: Path) -> dict[str, list[str]] | None:
+    """{shard file: [tensor keys]} that the sharded index in `path` names; None without an index."""
+    if not (path / INDEX_FILE).exists():
+        return None
+    try:
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as err:
+        raise ValueError(f"{path / INDEX_FILE} is not a valid safetensors index: {err!r}") from None
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        shards.setdefault(shard, []).append(key)
+    return shards
+
+
 def checkpoint_files(path: Path) -> dict[str, list[str]]:
     """{shard file: [tensor keys]} from a single model.safetensors or a sharded index."""
-    if (path / INDEX_FILE).exists():
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise ValueError(f"{path / INDEX_FILE} is not a valid safetensors index: {err!r}") from None
-        shards: dict[str, list[str]] = {}
-        for key, shard in weight_map.items():
-            shards.setdefault(shard, []).append(key)
+    shards = index_shards(path)
+    if shards is not None:
         for shard in shards:
             if not (path / shard).exists():
                 raise FileNotFoundError(f"shard {shard} named in {INDEX_FILE} is missing from {path}")

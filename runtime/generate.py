@@ -51,6 +51,12 @@ def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, c
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def stop_ids(model, tokenizer) -> set[int]:
+    """The tokens that end a text: the checkpoint's (generation_config.json, else config.json) and the
+    tokenizer's end of text."""
+    return {tokenizer.eos_token_id, *resolve_eos(None, model.generation_config, model.config)} - {None}
+
+
 def pad_left(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists of different lengths as one batch, padded on the left with `pad`:
     (input_ids [B, T], attention_mask [B, T], 1 = token)."""
