@@ -122,3 +122,15 @@ TRAINING_LOSS_RTOL = 1e-5
 # tokens of a test's distributions a correct sampler passes (the seeds are fixed: the test is
 # deterministic), while a wrong filter moves a probability of a few percent by many deviations.
 SAMPLING_MAX_DEVIATIONS = 5
+
+# Extend (chunked-prefill) attention against SDPA over the same gathered keys, fp32: one softmax
+# and two matmuls, summed in another order (key tiles, online rescaling): a few fp32 ulps of O(1)
+# values, as for one layer.
+EXTEND_ATTENTION_FP32_ATOL = 2e-5
+EXTEND_ATTENTION_FP32_RTOL = 2e-5
+# 16-bit inputs, against a float64 SDPA of the same 16-bit values: the kernel rounds the softmax's
+# probabilities to the dtype before the PV product (as FlashAttention does) and the output once
+# more, each within half a step (eps / 2 relative); norm-wise, rounding the output alone gives
+# 0.20 eps and the kernel 0.24 eps (bf16 and fp16 alike). A dropped or extra key moves it by far
+# more. Multiplied by torch.finfo(dtype).eps.
+EXTEND_ATTENTION_16BIT_EPS = 0.5
