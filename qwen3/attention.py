@@ -10,8 +10,10 @@ tokens' layout allows (runtime/metadata.py builds it):
 - sequences from position 0: their new tokens, causal; as rows [S, T] through SDPA, or packed back
   to back through varlen flash attention (CUDA, 16 bits), SDPA under a block-diagonal mask (under a
   CUDA graph or torch.compile), or SDPA per sequence (eagerly: the bounds read to the host);
-- new tokens after cached ones otherwise (the reference decode, a chat's next turn): the cache's
-  blocks gathered into rows, SDPA under a mask of the positions.
+- new tokens after cached ones otherwise (a prefill after a cached prefix, a prompt's next chunk, a
+  chat's next turn, the reference decode): fused, the Triton kernel for packed query chunks over
+  paged keys (ops/attention/extend_attention.py); else the cache's blocks gathered into rows, SDPA
+  under a mask of the positions.
 """
 
 import inspect
@@ -23,6 +25,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ops.attention.decode_attention import decode_attention
+from ops.attention.extend_attention import extend_attention
 from ops.attention.qk_norm_rope import qk_norm_rope
 from runtime.metadata import AttentionMetadata
 
@@ -124,16 +127,31 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
 
 def cached_attention(q: torch.Tensor, batch: TokenBatch, layer: int, scale: float) -> torch.Tensor:
-    """The reference read of new tokens after cached ones, in rows of T tokens: q [S * T, H, hd] over
-    each sequence's keys, gathered from its blocks, at positions up to each query's -> [S * T, H, hd]."""
+    """The reference read of new tokens after cached ones: q [N, H, hd] over each sequence's keys,
+    gathered from its blocks, at positions up to each query's -> [N, H, hd]. Rows of T tokens in one
+    SDPA call; packed sequences one at a time, their bounds read back to the host (eager only)."""
     meta = batch.meta
     if meta.rows is None:
-        raise NotImplementedError("packed sequences after cached tokens: attention reads them as rows of equal length")
-    S, T = meta.num_sequences, meta.rows
-    n_blocks = meta.cache.blocks_for(meta.max_seq_len)  # the blocks that hold every sequence's keys
-    k_rows, v_rows = meta.cache.gather(layer, meta.block_tables[:, :n_blocks])  # [S, keys, K, hd]
+        out = q.new_zeros(q.shape)
+        bounds, lengths = meta.cu_seqlens.tolist(), meta.seq_lens.tolist()
+        for s, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if end > start:
+                out[start:end] = rows_attention(q[start:end], batch.positions[start:end], meta.cache, layer,
+                                                meta.block_tables[s : s + 1], lengths[s], scale)
+        return out
+    return rows_attention(q, batch.positions, meta.cache, layer, meta.block_tables, meta.max_seq_len, scale,
+                          meta.num_sequences)
+
+
+def rows_attention(q: torch.Tensor, positions: torch.Tensor, cache, layer: int, block_tables: torch.Tensor,
+                   max_seq_len: int, scale: float, S: int = 1) -> torch.Tensor:
+    """S rows of T new tokens (q [S * T, H, hd] at positions [S * T]) over their rows' keys in the
+    cache through block_tables [S, M], each query up to its own position -> [S * T, H, hd]."""
+    T = q.shape[0] // S
+    n_blocks = cache.blocks_for(max_seq_len)  # the blocks that hold every row's keys
+    k_rows, v_rows = cache.gather(layer, block_tables[:, :n_blocks])  # [S, keys, K, hd]
     keys = torch.arange(k_rows.shape[1], device=q.device)
-    mask = keys <= batch.positions.view(S, T)[:, :, None]  # [S, T, keys]
+    mask = keys <= positions.view(S, T)[:, :, None]  # [S, T, keys]
     out = sdpa(q.view(S, T, *q.shape[1:]).transpose(1, 2), k_rows.transpose(1, 2), v_rows.transpose(1, 2), scale,
                mask[:, None])
     return out.transpose(1, 2).reshape(q.shape)
@@ -197,6 +215,10 @@ class Attention(nn.Module):
             k_blocks, v_blocks = meta.cache.blocks(self.layer_idx)  # [n_blocks, block_size, K, hd]
             return decode_attention(q, k_blocks, v_blocks, meta.seq_lens, scale, block_table=meta.block_tables)
         if not meta.from_start:
+            if batch.fused:
+                k_blocks, v_blocks = meta.cache.blocks(self.layer_idx)
+                return extend_attention(q, k_blocks, v_blocks, meta.cu_seqlens, meta.seq_lens, meta.block_tables,
+                                        scale)
             return cached_attention(q, batch, self.layer_idx, scale)
         if meta.rows is None:
             return packed_attention(q, k, v, meta.cu_seqlens, batch.packed_mask, scale)

@@ -8,52 +8,13 @@ tables as one tensor [S, M] (rows padded with any block id: entries past a seque
 never read). `generate`'s rows are the same thing: one table per row, its blocks in order.
 
 The cache holds no lengths or modes: every write says where it goes (its slots), every read how far
-it looks (runtime/metadata.py). Blocks are counted by reference (BlockPool), so that sequences can
-share a block of a common prefix; a block returns to the free list when its last owner lets go.
+it looks (runtime/metadata.py). Blocks are counted by reference, and full ones can be found again by
+their tokens (runtime/blocks.py: sequences share the blocks of a common prefix).
 """
 
 import torch
 
-
-class BlockPool:
-    """Which blocks are free, and how many owners each of the others has."""
-
-    def __init__(self, n_blocks: int):
-        self.n_blocks = n_blocks
-        self._free = list(range(n_blocks - 1, -1, -1))  # a stack: the block freed last is reused first
-        self._owners = [0] * n_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """n free blocks with one owner each, or None (and nothing taken) when fewer than n are free."""
-        if n > len(self._free):
-            return None
-        taken = [self._free.pop() for _ in range(n)]  # from the top: O(n), not O(free)
-        for block in taken:
-            self._owners[block] = 1
-        return taken
-
-    def share(self, blocks: list[int]) -> None:
-        """One more owner for each of blocks (a sequence that reuses them)."""
-        if any(self._owners[block] == 0 for block in blocks):
-            raise RuntimeError(f"blocks {blocks} include a free one: nothing to share")
-        for block in blocks:
-            self._owners[block] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        """One owner fewer for each of blocks; a block nobody owns is free again. Checked whole
-        before anything changes, so a bad call leaves the pool as it was."""
-        counts: dict[int, int] = {}
-        for block in blocks:
-            counts[block] = counts.get(block, 0) + 1
-        if any(self._owners[block] < n for block, n in counts.items()):
-            raise RuntimeError(f"blocks {blocks} include one released more often than it is owned")
-        for block in blocks:
-            self._owners[block] -= 1
-        self._free.extend(block for block in reversed(blocks) if self._owners[block] == 0)
+from .blocks import BlockPool
 
 
 class PagedKVCache:

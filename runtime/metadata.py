@@ -9,7 +9,8 @@ graph captures the building too:
 - `prefill(...)`: sequences from position 0 whose keys and values are written to a cache, packed
   back to back (or, all of one length, as rows);
 - `decode(...)`: one new token per sequence after its cached ones;
-- `extend(...)`: several new tokens per sequence after its cached ones (a chat's next turn).
+- `extend(...)`: new tokens after cached ones, packed (a prefill after a cached prefix, a prompt's
+  next chunk, a chat's next turn).
 
 Each token attends to its own sequence's keys at positions up to its own.
 """
@@ -60,13 +61,32 @@ def prefill(positions: torch.Tensor, cu_seqlens: torch.Tensor, cache: PagedKVCac
     written through their rows of block_tables [S, M]; the logits of each one's last token. Tokens
     past cu_seqlens[-1] are padding (a captured pack's unused room): written to scratch. rows: T
     when every sequence holds T tokens and there is no padding."""
+    return packed(positions, cu_seqlens, cache, block_tables, max_seq_len, rows, from_start=True)
+
+
+def extend(positions: torch.Tensor, cu_seqlens: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
+           max_seq_len: int, all_logits: bool = False) -> AttentionMetadata:
+    """New tokens of sequences packed back to back (cu_seqlens [S + 1]) after their cached ones:
+    each sequence's positions [N] continue from its cached length (a prefill that starts after a
+    cached prefix, a prompt's next chunk, a chat's next turn), its keys read and written through its
+    row of block_tables [S, M]; max_seq_len bounds every sequence's length once they are written.
+    The logits of each one's last token (all_logits: of every token). Padding as in `prefill`."""
+    meta = packed(positions, cu_seqlens, cache, block_tables, max_seq_len, None, from_start=False)
+    if all_logits:
+        meta.logits_at = None
+    return meta
+
+
+def packed(positions: torch.Tensor, cu_seqlens: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
+           max_seq_len: int, rows: int | None, from_start: bool) -> AttentionMetadata:
+    """`prefill` and `extend`: a sequence's length is its last token's position + 1."""
     N, S = positions.shape[0], cu_seqlens.shape[0] - 1
     tokens = torch.arange(N, device=positions.device)
     sequence = torch.searchsorted(cu_seqlens[1:], tokens.to(cu_seqlens.dtype), right=True).clamp(max=S - 1)
     slots = cache.slots(positions, block_tables[sequence], tokens < cu_seqlens[-1])
-    seq_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    logits_at = (cu_seqlens[1:] - 1).clamp(min=0).long()  # an empty sequence's: any token
-    return AttentionMetadata(cu_seqlens, rows, True, cache, slots, block_tables, seq_lens, max_seq_len, logits_at)
+    last = (cu_seqlens[1:] - 1).clamp(min=0).long()  # an empty sequence's: any token (its logits unused)
+    seq_lens = positions[last.clamp(max=N - 1)] + 1
+    return AttentionMetadata(cu_seqlens, rows, from_start, cache, slots, block_tables, seq_lens, max_seq_len, last)
 
 
 def decode(positions: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor,
@@ -83,15 +103,3 @@ def decode(positions: torch.Tensor, cache: PagedKVCache, block_tables: torch.Ten
     max_seq_len = block_tables.shape[1] * cache.block_size
     return AttentionMetadata(cu_seqlens, 1, False, cache, slots, block_tables, positions + 1, max_seq_len,
                              consecutive_blocks=consecutive_blocks)
-
-
-def extend(positions: torch.Tensor, cache: PagedKVCache, block_tables: torch.Tensor) -> AttentionMetadata:
-    """T new tokens per sequence at positions [S * T] (each row's consecutive), after the cached ones
-    of its row of block_tables [S, M]."""
-    S = block_tables.shape[0]
-    T = positions.shape[0] // S
-    cu_seqlens = torch.arange(0, (S + 1) * T, T, dtype=torch.int32, device=positions.device)
-    slots = cache.slots(positions, block_tables.repeat_interleave(T, dim=0))
-    seq_lens = positions.view(S, T)[:, -1] + 1
-    max_seq_len = block_tables.shape[1] * cache.block_size
-    return AttentionMetadata(cu_seqlens, T, False, cache, slots, block_tables, seq_lens, max_seq_len)

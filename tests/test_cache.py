@@ -14,7 +14,8 @@ from tolerances import LOGITS_BF16_REL, LOGITS_FP32_ATOL, LOGITS_FP32_RTOL, rela
 from ops.attention.decode_attention import decode_attention, keys_per_step, shared_memory_per_program
 from qwen3 import Qwen3ForCausalLM
 from runtime import metadata
-from runtime.cache import BlockPool, PagedKVCache
+from runtime.blocks import BlockPool, block_keys
+from runtime.cache import PagedKVCache
 
 PATHS = ["reference", "fused"]
 
@@ -69,6 +70,44 @@ def test_a_shared_block_is_free_only_when_its_last_owner_releases_it():
     assert pool.num_free == 4
     with pytest.raises(RuntimeError, match="include a free one"):
         pool.share(a[:1])
+
+
+def test_registered_blocks_stay_cached_and_are_evicted_least_recently_freed_first():
+    """Full blocks registered under their keys (the hash chain of their tokens) are found again
+    by a prompt with the same tokens, stay findable once their owners let go, and are handed out
+    again only when no unregistered block is free, the one let go longest ago first."""
+    pool = BlockPool(4)
+    tokens = list(range(10))
+    keys = block_keys(tokens, 4, 2)
+    assert keys == block_keys(tokens[:8] + [99], 4, 2)  # the same first two blocks: the same keys
+    assert keys[1] != block_keys([7] + tokens[1:], 4, 2)[1]  # one earlier token differs: the chain does
+    first = pool.allocate(2)
+    for block, key in zip(first, keys):
+        pool.register(block, key)
+    assert pool.lookup(keys) == first and pool.lookup([7] + keys) == []  # a run from the first key only
+    pool.release(first)
+    assert pool.counts() == (2, 2, 0) and pool.num_free == 4 and pool.lookup(keys) == first
+    pool.share(first[:1])  # a later prompt reuses the first block: it is in use again
+    assert pool.counts() == (2, 1, 1) and pool.num_free == 3
+    other = pool.allocate(3)  # the two free ones, then the cached second block (its key forgotten)
+    assert first[1] in other and pool.lookup(keys) == first[:1]
+    assert pool.allocate(1) is None and pool.counts() == (0, 0, 4)
+    pool.release(other + first[:1])
+    assert pool.counts() == (3, 1, 0)
+    with pytest.raises(RuntimeError, match="no owner"):
+        pool.register(other[0], 123)
+
+
+def test_a_key_registered_twice_keeps_its_first_block():
+    """The same prefix prefilled by two sequences at once: the second's block stays unregistered
+    and is freed, not cached, when its sequence ends."""
+    pool = BlockPool(3)
+    a, b = pool.allocate(2)
+    pool.register(a, 5)
+    pool.register(b, 5)
+    assert pool.lookup([5]) == [a]
+    pool.release([a, b])
+    assert pool.counts() == (2, 1, 0)
 
 
 def test_slots_follow_each_tokens_block_table_row():
@@ -190,21 +229,24 @@ def test_packed_prompts_equal_each_prompt_alone_in_transformers(checkpoint, mode
 
 @pytest.mark.parametrize("path", PATHS)
 def test_several_new_tokens_after_cached_ones_equal_the_full_forward(model, path):
-    """A second chunk of several tokens after a first (a chat's next turn), in rows of different
-    lengths: it attends to the cached chunk through the cache, as the plain forward does."""
+    """Chunks of several tokens after cached ones (a prompt's next chunk, a chat's next turn),
+    packed, of different lengths after prefixes of different lengths: each attends to its cached
+    tokens through the cache, as the plain forward of the whole sequence does."""
     use_path(model, path)
     rows = prompts([7, 4], model.config.vocab_size, seed=9)
-    more = prompts([5, 5], model.config.vocab_size, seed=10)
+    more = prompts([5, 3], model.config.vocab_size, seed=10)
     cache = PagedKVCache.for_model(model, n_blocks=8, block_size=4)
     tables = [[6, 0, 3], [1, 7, 2]]
     try:
         with torch.no_grad():
             prefill_each(model, cache, rows, tables)
-            positions = on_device([len(row) + t for row in rows for t in range(5)])
-            chunk = model(on_device(sum(more, [])), positions, metadata.extend(positions, cache, on_device(tables)))
-            for i in range(2):
+            positions = on_device([len(row) + t for row, extra in zip(rows, more) for t in range(len(extra))])
+            cu = on_device([0, 5, 8]).int()
+            meta = metadata.extend(positions, cu, cache, on_device(tables), 12, all_logits=True)
+            chunk = model(on_device(sum(more, [])), positions, meta)
+            for i, start in enumerate((0, 5)):
                 whole = model(on_device([rows[i] + more[i]]))[0]
-                assert_logits_close(chunk[5 * i : 5 * i + 5], whole[len(rows[i]):])
+                assert_logits_close(chunk[start : start + len(more[i])], whole[len(rows[i]) :])
     finally:
         use_path(model, None)
 
