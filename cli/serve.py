@@ -61,8 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "context sequences use; CPU: the context or 2048 tokens, whichever is less, per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
-                   help="prompt tokens admitted and prefilled per engine step at most, a longer prompt alone "
-                        f"(default: {PREFILL_TOKENS})")
+                   help="prompt tokens prefilled per engine step at most, beside the running sequences' decode "
+                        f"step; a longer prompt is prefilled in chunks of this many (default: {PREFILL_TOKENS})")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep the KV-cache blocks of earlier prompts and replies for later prompts that "
+                        "start with the same tokens (default: kept, least recently used evicted first)")
     p.add_argument("--norm", choices=IMPLS, default="auto", help="RMSNorm implementation (default: auto)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="fused Triton kernels or transformers' reference operations; auto: fused on CUDA, reference "
@@ -195,7 +198,7 @@ def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     spec = EngineSpec(args.checkpoint, dtype, str(device), norm=args.norm, kernels=args.kernels,
                       n_blocks=args.num_blocks, block_size=args.block_size, max_batch=args.max_batch,
                       max_waiting=args.max_waiting, cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens,
-                      threads=args.threads)
+                      prefix_cache=args.prefix_cache, threads=args.threads)
     try:
         return EngineProcess(spec, answer_timeout_s=args.engine_timeout, wait=False)
     except OSError as err:

@@ -3,9 +3,11 @@
 Requests join and leave the running batch between decode steps. Each engine step:
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
    blocks return to the cache at once;
-2. admits waiting requests, oldest first, while the batch has room, the cache has blocks for
-   their prompt and the step's prefill_tokens last, and launches their prefill, packed into one
-   forward (on CUDA from the CUDA graph of its token-count bucket), which samples each one's
+2. prefills up to prefill_tokens prompt tokens (chunked prefill): the next chunks of prompts
+   admitted earlier, then waiting requests, oldest first, admitted while the batch has room and
+   the cache has blocks for them, each starting after the longest prefix of it that the cache
+   holds (prefix caching: runtime/blocks.py); the chunks are packed into one forward (on CUDA
+   from the CUDA graph of its token-count bucket), and the chunk that ends a prompt samples its
    first token on the device;
 3. launches one decode step over the running sequences that have tokens left to make, the ones
    just prefilled included (one token per row, rows of different lengths, keys read through
@@ -25,6 +27,13 @@ preempted one is not prefilled again while a token of its is in flight, so a seq
 are read in order, once. Freed blocks can be handed out at once: every step runs on one CUDA
 stream, so a block's next owner writes it after the in-flight step that may still write it.
 
+Prefix caching: every full block of a sequence (its prompt's, and its generated tokens') is
+registered under the hash chain of its tokens once they are written, and stays cached when the
+sequence ends, until a new block is needed and no free one is left (least recently freed first).
+A prompt's prefill starts after its longest cached prefix (always leaving its last token to
+compute); the blocks found are shared by reference count and never written: the sequence's new
+tokens go to blocks of its own.
+
 A sequence gets a block when its next token starts one. When none is free, the sequence
 admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
 prefilled again from its prompt and the tokens it had (vLLM's recompute preemption). A request
@@ -35,9 +44,9 @@ On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the
 the bucket's size, padding rows writing to the scratch slot), a greedy and a sampling graph
 captured at start, largest first, in one memory pool, as nano-vllm does (a graph of the reference
 sampler the first time a request needs it: a top-k of 128 or more with top-p, on the fused path).
-A step's prompts are packed back to back into one forward (each prompt attending to its own
-tokens), replayed from the graph of its token-count bucket the same way, up to
-PREFILL_GRAPH_TOKENS tokens. The CPU runs both eagerly; the CPU tests exercise the eager paths,
+A step's chunks are packed back to back into one forward (each attending to its own sequence's
+keys), replayed from the graph of its token-count bucket the same way, up to PREFILL_GRAPH_TOKENS
+tokens. The CPU runs both eagerly; the CPU tests exercise the eager paths,
 the graphed ones run on a GPU only.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
@@ -58,6 +67,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ops import resolve_kernels
+from runtime.blocks import block_keys
 from runtime.cache import PagedKVCache
 from runtime.generate import resolve_eos
 from runtime.graphs import resolve_cuda_graph
@@ -92,6 +102,8 @@ class Sequence:
     sent: int = 0  # characters of text already handed out
     finish_reason: str | None = None
     unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
+    keys: list[int] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
+    registered: int = 0  # of its blocks, the first this many are registered (prefix caching)
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.request.prompt_ids)
@@ -99,6 +111,11 @@ class Sequence:
     @property
     def n_generated(self) -> int:
         return len(self.ids) - self.n_prompt
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, and some of its tokens (a prompt's, a preempted sequence's) not in the cache yet."""
+        return self.cached < len(self.ids)
 
     @property
     def n_launched(self) -> int:
@@ -124,13 +141,16 @@ class Engine:
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
-    prefill_tokens: prompt tokens admitted and prefilled per step at most (a longer prompt
-        alone), packed into one forward (on CUDA, into as few as the prefill graphs hold).
+    prefill_tokens: prompt tokens prefilled per step at most, packed into one forward (on CUDA,
+        into as few as the prefill graphs hold); a longer prompt is prefilled in chunks of it, one
+        chunk a step beside the running sequences' decode steps (chunked prefill).
+    prefix_cache: keep the full blocks of every sequence, found again by their tokens: a prompt
+        that starts as an earlier one did skips the prefill of that prefix (runtime/blocks.py).
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
                  max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS):
+                 prefill_tokens: int = PREFILL_TOKENS, prefix_cache: bool = True):
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
@@ -161,7 +181,10 @@ class Engine:
         self.last_token = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
         self.decode = DecodeStep(model, self.cache, self.sampler, self.last_token, max_batch, self.table_width,
                                  cuda_graph, self.fused)
-        self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph)
+        self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph, extend_graph=self.fused)
+        self.prefix_cache = prefix_cache
+        self.prompt_tokens = 0  # prompt tokens of every admission (a preempted sequence's each time)
+        self.hit_tokens = 0  # of those, the ones found in the cache (prefix caching)
 
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes from the end
@@ -186,6 +209,13 @@ class Engine:
     def limits(self) -> "Limits":
         c = self.model.config
         return Limits(c.vocab_size, self.max_len, self.cache.n_blocks, self.cache.block_size)
+
+    def prefix_stats(self) -> dict:
+        """What the prefix cache holds and how often it was hit (for /health)."""
+        free, cached, in_use = self.cache.pool.counts()
+        rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {"enabled": self.prefix_cache, "free_blocks": free, "cached_blocks": cached, "used_blocks": in_use,
+                "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": round(rate, 4)}
 
     def check(self, request: Request) -> None:
         """ValueError naming the numbers unless the request can ever run."""
@@ -236,7 +266,7 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         previous, self.in_flight = self.in_flight, []
-        self._admit()
+        self._launch_prefills()
         self._launch_decode()
         for launched in previous:  # read while the prefills and the decode step just launched run
             self._accept_step(launched)
@@ -274,57 +304,107 @@ class Engine:
             elif item in self.sequences:  # a cancel of a sequence not yet finished
                 self._finish(self.sequences[item], "cancelled")
 
-    def _admit(self) -> None:
-        """Prefill waiting sequences, oldest first, while the batch has room, the cache has blocks
-        for them (keeping one per running sequence for its next token) and the step's
-        prefill_tokens last (the first one always fits)."""
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) < self.max_batch:
+    def _launch_prefills(self) -> None:
+        """Prefill up to prefill_tokens prompt tokens: first the next chunks of sequences admitted
+        earlier, oldest first, then waiting sequences, oldest first, admitted while the batch has
+        room and the cache has blocks for them (keeping one per running sequence for its next
+        token), each starting after the longest prefix of it that the cache holds."""
+        budget = self.prefill_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget and seq.prefilling:
+                n = min(len(seq.ids) - seq.cached, budget)
+                chunks.append((seq, n))
+                budget -= n
+        while budget and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
+            if seq.unread or not self._admit(seq):  # preempted with a token in flight: once its ids hold it
                 break
-            # Blocks for its tokens and the next one's position, so that no sequence admitted
-            # here is preempted before its prefill's token has been read.
-            need = self.cache.blocks_for(len(seq.ids) + 1)
-            over_budget = admitted and tokens + len(seq.ids) > self.prefill_tokens
-            if over_budget or self.cache.num_free - need < len(self.running):
-                break
-            self.waiting.popleft()
-            seq.blocks = self.cache.allocate(need)
-            seq.row = self._free_rows.pop()
-            self.block_rows[seq.row, :need] = torch.tensor(seq.blocks)
-            # Its stream continues where it was (a preempted sequence's too): its step is its tokens so far.
-            self.sampler.set_row(seq.row, seq.request.params, seq.seed, seq.ids, step=seq.n_generated)
-            self.running.append(seq)
-            admitted.append(seq)
-            tokens += len(seq.ids)
+            n = min(len(seq.ids) - seq.cached, budget)
+            chunks.append((seq, n))
+            budget -= n
         # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
-        packs: list[list[Sequence]] = []
+        from_start = all(seq.cached == 0 for seq, _ in chunks)
+        packs: list[list[tuple[Sequence, int]]] = []
         pack_tokens = 0  # in the last pack
-        for seq in sorted(admitted, key=lambda s: len(s.ids)):
-            joins = packs and (not self.prefill.runner.capture
-                               or self.prefill.fits(pack_tokens + len(seq.ids), len(packs[-1]) + 1))
+        for chunk in sorted(chunks, key=lambda c: c[1]):
+            joins = packs and (not self.prefill.runners[from_start].capture
+                               or self.prefill.fits(pack_tokens + chunk[1], len(packs[-1]) + 1, from_start))
             if joins:
-                packs[-1].append(seq)
-                pack_tokens += len(seq.ids)
+                packs[-1].append(chunk)
+                pack_tokens += chunk[1]
             else:
-                packs.append([seq])
-                pack_tokens = len(seq.ids)
+                packs.append([chunk])
+                pack_tokens = chunk[1]
         for pack in packs:
             self._prefill(pack)
 
-    def _prefill(self, pack: list[Sequence]) -> None:
-        """Each sequence's tokens (a preempted one's generated tokens too) from position 0, packed
-        into one forward; the logits of each one's last token give its next token."""
-        width = max(len(s.blocks) for s in pack)
-        table = self._on_device(self.block_rows[torch.tensor([s.row for s in pack]), :width])
-        logits = self.prefill([s.ids for s in pack], table)
-        for seq in pack:
-            seq.cached = len(seq.ids)
-        rows = self._on_device([s.row for s in pack])
-        tokens = self.sampler(logits, rows, self._how(pack))
+    def _admit(self, seq: Sequence) -> bool:
+        """Give the sequence at the head of the queue a row, and blocks for its tokens and the next
+        one's position (so that it is not preempted before its prefill's token has been read):
+        the cached blocks of its prefix, shared, and new ones for the rest. False if they do not fit."""
+        bs = self.cache.block_size
+        hits = []
+        if self.prefix_cache:  # at least its last token is computed: its logits give the next token
+            hits = self.cache.pool.lookup(self._keys(seq, (len(seq.ids) - 1) // bs))
+        need = self.cache.blocks_for(len(seq.ids) + 1) - len(hits)
+        if self.cache.num_free - self.cache.pool.cached_among(hits) - need < len(self.running):
+            return False
+        self.waiting.popleft()
+        self.cache.pool.share(hits)
+        seq.blocks = hits + self.cache.allocate(need)
+        seq.registered = len(hits)
+        seq.cached = len(hits) * bs
+        self.prompt_tokens += len(seq.ids)
+        self.hit_tokens += seq.cached
+        seq.row = self._free_rows.pop()
+        self.block_rows[seq.row, : len(seq.blocks)] = torch.tensor(seq.blocks)
+        # Its stream continues where it was (a preempted sequence's too): its step is its tokens so far.
+        self.sampler.set_row(seq.row, seq.request.params, seq.seed, seq.ids, step=seq.n_generated)
+        self.running.append(seq)
+        return True
+
+    def _prefill(self, pack: list[tuple[Sequence, int]]) -> None:
+        """The next n tokens of each sequence (a preempted one's generated tokens too), after those
+        in the cache, packed into one forward; the logits of the last token of each sequence whose
+        tokens are then all in the cache give its next token."""
+        seqs = [seq for seq, _ in pack]
+        width = max(len(s.blocks) for s in seqs)
+        table = self._on_device(self.block_rows[torch.tensor([s.row for s in seqs]), :width])
+        logits = self.prefill([(seq.ids[seq.cached : seq.cached + n], seq.cached) for seq, n in pack], table)
+        done = []
+        for i, (seq, n) in enumerate(pack):
+            seq.cached += n
+            self._register_blocks(seq)
+            if not seq.prefilling:
+                done.append(i)
+        if not done:
+            return
+        finished = [seqs[i] for i in done]
+        rows = self._on_device([s.row for s in finished])
+        if len(done) < len(pack):
+            logits = logits[self._on_device(done)]
+        tokens = self.sampler(logits, rows, self._how(finished))
         self.last_token[rows] = tokens
-        self._send_back(pack, tokens)
+        self._send_back(finished, tokens)
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks whose tokens are all known and written (launched: a later
+        step that reads them runs after the one that writes them, on the same stream)."""
+        if not self.prefix_cache:
+            return
+        full = min(seq.cached, len(seq.ids)) // self.cache.block_size
+        if full > seq.registered:
+            for block, key in zip(seq.blocks[seq.registered : full], self._keys(seq, full)[seq.registered :]):
+                self.cache.pool.register(block, key)
+            seq.registered = full
+
+    def _keys(self, seq: Sequence, n: int) -> list[int]:
+        """The keys of the sequence's first n full blocks (computed once: its ids only grow)."""
+        if n > len(seq.keys):
+            before = seq.keys[-1] if seq.keys else None
+            seq.keys += block_keys(seq.ids, self.cache.block_size, n, len(seq.keys), before)
+        return seq.keys[:n]
 
     def _grow(self) -> None:
         """Give every running sequence that will be launched a block for the position its next
@@ -345,7 +425,7 @@ class Engine:
             victim = self.running.pop()  # the latest admitted: maybe seq itself
             self.cache.release(victim.blocks)
             self._free_rows.append(victim.row)
-            victim.blocks, victim.cached, victim.row = [], 0, -1
+            victim.blocks, victim.cached, victim.row, victim.registered = [], 0, -1, 0
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
@@ -353,7 +433,7 @@ class Engine:
         """Launch a decode step over the running sequences that have tokens left to make (a
         sequence whose last token is still in flight counts it), if there are any."""
         self._grow()
-        seqs = [s for s in self.running if s.n_launched < s.request.max_tokens]
+        seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens]
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))
@@ -403,6 +483,7 @@ class Engine:
     def _accept(self, seq: Sequence, token: int) -> None:
         """Append a sampled token, apply the stops, hand out the new text."""
         seq.ids.append(token)
+        self._register_blocks(seq)
         reason = None
         if token in seq.eos:
             reason = "stop"
@@ -440,9 +521,10 @@ class Engine:
         return held
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None) -> None:
-        """End a sequence: free its blocks at once, take it out of the batch, send the rest of its text."""
+        """End a sequence: free its blocks at once (its registered ones stay cached), take it out of
+        the batch, send the rest of its text."""
         self.cache.release(seq.blocks)
-        seq.blocks = []
+        seq.blocks, seq.registered = [], 0
         if seq in self.running:
             self.running.remove(seq)
             self._free_rows.append(seq.row)

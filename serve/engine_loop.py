@@ -40,6 +40,7 @@ class EngineSpec:
     max_waiting: int = 256
     cuda_graph: bool | None = None
     prefill_tokens: int = PREFILL_TOKENS
+    prefix_cache: bool = True
     threads: int | None = None
 
 
@@ -85,13 +86,15 @@ def build_engine(spec: EngineSpec) -> Engine:
                                              progress=False)
     n_blocks = spec.n_blocks or default_blocks(model, device, spec.max_batch, spec.block_size)
     return Engine(model, tokenizer, n_blocks=n_blocks, block_size=spec.block_size, max_batch=spec.max_batch,
-                  max_waiting=spec.max_waiting, cuda_graph=spec.cuda_graph, prefill_tokens=spec.prefill_tokens)
+                  max_waiting=spec.max_waiting, cuda_graph=spec.cuda_graph, prefill_tokens=spec.prefill_tokens,
+                  prefix_cache=spec.prefix_cache)
 
 
 def stats(engine: Engine) -> dict:
     return {"free_blocks": engine.cache.num_free, "total_blocks": engine.cache.n_blocks,
             "block_size": engine.cache.block_size, "running": len(engine.running), "waiting": len(engine.waiting),
-            "peak_running": engine.peak_running, "preemptions": engine.preemptions}
+            "peak_running": engine.peak_running, "preemptions": engine.preemptions,
+            "prefix_cache": engine.prefix_stats()}
 
 
 def take_over_stderr(stderr) -> None:

@@ -1,6 +1,6 @@
 """The engine's two kinds of forward, each replayed from CUDA graphs of a few sizes (runtime/graphs.py):
 a decode step over the running sequences, one token each (DecodeStep, batch-size buckets), and
-prompts' prefills packed back to back (PrefillStep, token-count buckets). Both read and write
+prompts' prefills, chunks of them packed back to back (PrefillStep, token-count buckets). Both read and write
 static buffers that each call fills, so that a graph replays on the same memory; the padding of
 a bucket writes to the cache's scratch slot and the sampler's scratch row.
 """
@@ -101,15 +101,18 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillStep:
-    """Prompts' first forwards, packed: the tokens of several sequences back to back in one forward
-    (each from position 0, attending to its own tokens) -> the logits [N, V] of each one's last
-    token. Packing keeps the matmuls long whatever the prompts' lengths: a short prompt alone leaves
-    most of the GPU idle (docs/benchmarks/serve-notes.md). On CUDA, up to PACKED_SEQUENCES prompts
-    of PREFILL_GRAPH_TOKENS tokens in all are replayed from the graph of the smallest token bucket
-    that holds them (the padding written to the scratch slot); larger packs, and every pack on the
-    CPU, run eagerly (`fits`)."""
+    """Prompts' forwards, packed: chunks of several sequences' tokens back to back in one forward,
+    each chunk continuing its sequence from a start position (0: a prompt's beginning; later: after
+    a cached prefix or the sequence's earlier chunks, attending to those keys through the cache)
+    -> the logits [N, V] of each chunk's last token. Packing keeps the matmuls long whatever the
+    prompts' lengths: a short prompt alone leaves most of the GPU idle (docs/benchmarks/serve-notes.md).
+    On CUDA, up to PACKED_SEQUENCES chunks of PREFILL_GRAPH_TOKENS tokens in all are replayed from
+    the graph of the smallest token bucket that holds them (the padding written to the scratch slot):
+    packs whose chunks all start at 0 from graphs of varlen flash attention, the others (with
+    `extend_graph`: the fused kernels) from graphs of the paged chunk kernel. Larger packs, and every
+    pack on the CPU, run eagerly (`fits`)."""
 
-    def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool):
+    def __init__(self, model, cache: PagedKVCache, table_width: int, graph: bool, extend_graph: bool):
         self.model, self.cache = model, cache
         self.max_len = model.config.max_position_embeddings
         device = model.lm_head.weight.device
@@ -120,29 +123,38 @@ class PrefillStep:
         self.cu_seqlens = torch.zeros(N + 1, dtype=torch.int32, device=device) if graph else None
         self.block_table = torch.zeros(N, table_width, dtype=torch.long, device=device) if graph else None
         # While capturing every sequence is empty and every token padding, written to scratch.
-        self.runner = GraphRunner(self._step, buckets, device, graph)
+        self.runners = {
+            True: GraphRunner(lambda T: self._step(T, True), buckets, device, graph),
+            False: GraphRunner(lambda T: self._step(T, False), buckets, device, graph and extend_graph),
+        }
 
-    def fits(self, n_tokens: int, n_sequences: int = 1) -> bool:
-        """Whether a pack of n_sequences prompts of n_tokens in all is replayed from a graph."""
-        return self.runner.fits(n_tokens) and n_sequences <= PACKED_SEQUENCES
+    def fits(self, n_tokens: int, n_sequences: int = 1, from_start: bool = True) -> bool:
+        """Whether a pack of n_sequences chunks of n_tokens in all is replayed from a graph."""
+        return self.runners[from_start].fits(n_tokens) and n_sequences <= PACKED_SEQUENCES
 
-    def _step(self, T: int) -> torch.Tensor:
-        meta = metadata.prefill(self.positions[:T], self.cu_seqlens, self.cache, self.block_table, T)
+    def _step(self, T: int, from_start: bool) -> torch.Tensor:
+        if from_start:
+            meta = metadata.prefill(self.positions[:T], self.cu_seqlens, self.cache, self.block_table, T)
+        else:
+            meta = metadata.extend(self.positions[:T], self.cu_seqlens, self.cache, self.block_table, self.max_len)
         return self.model(self.ids[:T], self.positions[:T], meta)
 
-    def __call__(self, prompts: list[list[int]], block_table: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] of each prompt's last token, its keys and values written through its row of
-        block_table [N, M]."""
-        lengths = [len(ids) for ids in prompts]
+    def __call__(self, chunks: list[tuple[list[int], int]], block_table: torch.Tensor) -> torch.Tensor:
+        """Logits [N, V] of each chunk's last token: chunks of (token ids, the position of the first),
+        their keys and values written through their rows of block_table [N, M]."""
+        lengths = [len(ids) for ids, _ in chunks]
         bounds = list(itertools.accumulate(lengths, initial=0))
-        n, N = bounds[-1], len(prompts)
-        ids = list(itertools.chain.from_iterable(prompts))
-        positions = [p for length in lengths for p in range(length)]
+        n, N = bounds[-1], len(chunks)
+        ids = list(itertools.chain.from_iterable(ids for ids, _ in chunks))
+        positions = [p for chunk, start in chunks for p in range(start, start + len(chunk))]
+        from_start = all(start == 0 for _, start in chunks)
         device = block_table.device
-        if not self.fits(n, N):
+        if not self.fits(n, N, from_start):
             cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
             token_positions = torch.tensor(positions, device=device)
-            meta = metadata.prefill(token_positions, cu_seqlens, self.cache, block_table, max(lengths))
+            longest = max(start + len(chunk) for chunk, start in chunks)
+            make = metadata.prefill if from_start else metadata.extend
+            meta = make(token_positions, cu_seqlens, self.cache, block_table, longest)
             return self.model(torch.tensor(ids, device=device), token_positions, meta)
         # Queued behind the step in flight through pinned memory. Padding keeps earlier ids and
         # positions (any valid ones do); the bounds past the last sequence's end make empty sequences.
@@ -152,4 +164,4 @@ class PrefillStep:
         bounds += [n] * (PACKED_SEQUENCES - N)
         self.cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32, pin_memory=True), non_blocking=True)
         self.block_table[:N, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
-        return self.runner(n)[:N]
+        return self.runners[from_start](n)[:N]

@@ -42,6 +42,16 @@ def use_path(model, path: str | None) -> None:
     model.set_kernels(chosen["kernels"])
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of many tiny forwards (the engine's), which OpenMP threads
+    only slow down when the machine's cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE

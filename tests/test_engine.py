@@ -16,17 +16,8 @@ from runtime.text import load_tokenizer
 from serve.engine import Engine, QueueFull, Request
 
 GREEDY = SamplingParams(temperature=0.0)
+pytestmark = pytest.mark.usefixtures("one_thread")
 SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these are many tiny forwards, which OpenMP threads only slow down when
-    the machine's cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +75,18 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, path
         use_path(model, None)
 
 
-@pytest.mark.parametrize("prefill_tokens, steps", [(1, [[7], [2], [11], [4], [9], [3]]), (24, [[24], [12]]),
-                                                   (10_000, [[36]])], ids=["one-each", "two-steps", "all-together"])
+@pytest.mark.parametrize("prefill_tokens, steps", [
+    (5, [[5], [1, 2, 2], [5], [5], [1, 4], [5], [2, 3], [1]]),
+    (24, [[2, 4, 7, 11], [3, 9]]),
+    (10_000, [[2, 3, 4, 7, 9, 11]])], ids=["chunks", "two-steps", "all-together"])
 def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, steps):
-    """Six prompts of different lengths, arriving together: each step admits prompts in arrival
-    order up to prefill_tokens tokens (7, 2, 11 and 4 fill 24; then 9 and 3) and prefills them
-    packed into one forward (of 24 tokens, then 12), or one prompt per step, or all in one
-    forward: each row's tokens equal model.generate's for its prompt alone, the one whose
-    max_tokens is 1 ending in its prefill beside the others."""
+    """Six prompts of different lengths, arriving together: each step prefills up to
+    prefill_tokens prompt tokens, first the rest of prompts begun earlier, then prompts in arrival
+    order, the last one cut to a chunk that fits (5: 5 of the 7-token prompt, then its last 2, the
+    2-token prompt and the first token of the 11-token one...), packed into one forward (shortest
+    chunk first); or whole prompts (7, 2, 11 and 4 fill 24; then 9 and 3), or all in one forward:
+    each row's tokens equal model.generate's for its prompt alone, the one whose max_tokens is 1
+    ending in its prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
     requests = [Request(p, 1 if i == 1 else 4, GREEDY, eos_ids=())
                 for i, p in enumerate(prompts(lengths, model.config.vocab_size, seed=7))]
@@ -99,19 +94,19 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     # Eager prefills (a GPU would replay each pack from a graph: test_graphed_engine_equals_eager_engine)
     engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens, cuda_graph=False)
     outputs = [collect(engine, r) for r in requests]
-    prefills = []  # tokens of each forward of sequences from their start: the packed prefills
+    chunks = []  # each prefill forward's chunk lengths (a decode step's rows are 1 token each)
     hook = model.register_forward_pre_hook(
-        lambda module, args: prefills.append(args[0].shape[0]) if args[2].from_start else None)
-    per_step = []
+        lambda module, args: chunks.append(args[2].cu_seqlens.diff().tolist()) if args[2].rows != 1 else None)
+    per_step = []  # of the steps that prefilled
     try:
-        while engine.waiting or not per_step:
+        while engine.has_work():
             engine.step()
-            per_step.append(prefills[:])
-            prefills.clear()
+            if chunks:
+                per_step.append(sum(chunks, []))
+                chunks.clear()
     finally:
         hook.remove()
     assert per_step == steps
-    engine.run()
     assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(model, prefill_tokens=0)

@@ -158,6 +158,29 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     assert len(pieces) == 3
 
 
+def test_prompts_that_share_a_prefix_reuse_its_blocks_and_answer_as_alone(server, reference):
+    """Two completions whose prompts share a long beginning: the second finds the first's full
+    blocks in the prefix cache (/health counts the hit), and each answer equals the model's own."""
+    shared = "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find " * 3
+    first, second = (reference.ids(shared + ending) for ending in ("food.", "its friends, who wait there"))
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)  # tokens the prompts share
+    before = health(server)["prefix_cache"]
+    c = client(server)
+    for ids in (first, second):
+        answer = c.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=0)
+        assert answer.choices[0].text == reference.text(ids, 8)
+    after = health(server)["prefix_cache"]
+    block = health(server)["block_size"]
+    assert common >= 3 * block and after["enabled"]
+    assert after["hit_tokens"] - before["hit_tokens"] >= block * (common // block)
+    assert after["cached_blocks"] > 0 and after["used_blocks"] == 0 and 0 < after["hit_rate"] <= 1
+
+
+def test_the_prefix_cache_can_be_turned_off():
+    assert load_serve_py().parse_args(["--no-prefix-cache"]).prefix_cache is False
+    assert load_serve_py().parse_args([]).prefix_cache is True
+
+
 def test_bad_requests_get_openai_errors_naming_the_field(server):
     url = f"{server}/v1/completions"
     r = httpx.post(url, content=b'{"prompt": "x", ', headers={"Content-Type": "application/json"}, timeout=30)
