@@ -9,7 +9,8 @@ of fields beyond the ones the server implements:
 - defined by the API and accepted whatever they hold, because they do not change the answer
   (`user`, `metadata`, `service_tier`, ...: marked IGNORED below);
 - not in the API: a 400 "Unrecognized request argument", as OpenAI answers. The extensions this
-  server adds (top_k, min_p, repetition_penalty, ignore_eos, chat_template_kwargs) are vLLM's.
+  server adds (top_k, min_p, repetition_penalty, ignore_eos, return_token_ids, chat_template_kwargs)
+  are vLLM's.
 """
 
 import json
@@ -62,6 +63,10 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    # vLLM's extension: each choice carries its token ids ("token_ids"; a stream's chunk, its own) and
+    # the prompt's ("prompt_token_ids"; a stream's first chunk), so that a client can resend the exact
+    # tokens of a reply (a conversation's next turn then finds them in the prefix cache)
+    return_token_ids: bool = False
     n: Any = None  # UNSUPPORTED unless 1
     frequency_penalty: Any = None
     logit_bias: Any = None

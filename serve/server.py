@@ -305,12 +305,15 @@ class Server:
         return OpenAIError(500, "The engine failed while generating this request (the server's log says why)",
                            type_="server_error")
 
-    async def run(self, http: Request, request: EngineRequest, chat: bool, stream: bool, include_usage: bool):
-        outputs = Outputs(self.outbox, each=stream)
+    async def run(self, http: Request, request: EngineRequest, fields: SamplingFields, chat: bool):
+        outputs = Outputs(self.outbox, each=fields.stream)
         seq_id = self.submit(request, outputs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        if stream:
-            return EventStream(self.sse(outputs, rid, chat, include_usage), on_close=lambda: self.close(seq_id))
+        prompt_ids = request.prompt_ids if fields.return_token_ids else None
+        if fields.stream:
+            include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
+            return EventStream(self.sse(outputs, rid, chat, include_usage, prompt_ids),
+                               on_close=lambda: self.close(seq_id))
         watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, seq_id))
         try:
             out = await outputs.take()  # the last output, with every one before it: a single wake-up
@@ -326,6 +329,8 @@ class Server:
                       "finish_reason": out.finish_reason}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        if prompt_ids is not None:
+            choice |= {"token_ids": out.token_ids, "prompt_token_ids": prompt_ids}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name, "choices": [choice],
                              "usage": self.usage(out)})
@@ -342,20 +347,30 @@ class Server:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool):
+    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool, prompt_ids: list[int] | None):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request the
         server ends (a shutdown, the engine's death) ends with an event {"error": {...}}, which the
         openai client raises as an APIError. If the client goes away, Starlette cancels this
-        generator at its await, and EventStream's on_close cancels the sequence."""
+        generator at its await, and EventStream's on_close cancels the sequence. prompt_ids: the
+        request asked for token ids (return_token_ids): each chunk carries its own, the first the
+        prompt's too."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False, usage=None) -> str:
+        first = True
+
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False, usage=None, tokens=()) -> str:
+            nonlocal first
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
                 choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
             else:
                 choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+            if prompt_ids is not None and not usage:
+                choices[0]["token_ids"] = list(tokens)
+                if first:
+                    choices[0]["prompt_token_ids"] = prompt_ids
+            first = first and bool(usage)
             body = {"id": rid, "object": kind, "created": created, "model": self.model_name,
                     "choices": [] if usage else choices}
             if usage:
@@ -368,12 +383,12 @@ class Server:
             out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
             if (error := self.failure(outputs, out)) is not None:
                 if out.text:
-                    yield chunk(out.text, None)
+                    yield chunk(out.text, None, tokens=out.token_ids)
                 yield event(error.body())
                 break
             if out.finish_reason == "cancelled":  # its client has left
                 return
-            yield chunk(out.text, out.finish_reason)
+            yield chunk(out.text, out.finish_reason, tokens=out.token_ids)
             if out.finish_reason:
                 if include_usage:
                     yield chunk(None, None, usage=self.usage(out))
@@ -445,8 +460,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
         server.check_model(req.model)
         ids = server.completion_prompt(req)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await server.run(request, engine_request, chat=False, stream=req.stream, include_usage=include_usage)
+        return await server.run(request, engine_request, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -456,8 +470,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await server.run(request, engine_request, chat=True, stream=req.stream, include_usage=include_usage)
+        return await server.run(request, engine_request, req, chat=True)
 
     return app
 

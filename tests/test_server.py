@@ -13,6 +13,7 @@ import socket
 import httpx
 import openai
 import pytest
+import torch
 from checkpoints import CHAT_TEMPLATE
 from servers import (
     NAME,
@@ -174,6 +175,27 @@ def test_prompts_that_share_a_prefix_reuse_its_blocks_and_answer_as_alone(server
     assert common >= 3 * block and after["enabled"]
     assert after["hit_tokens"] - before["hit_tokens"] >= block * (common // block)
     assert after["cached_blocks"] > 0 and after["used_blocks"] == 0 and 0 < after["hit_rate"] <= 1
+
+
+def test_return_token_ids_gives_the_prompts_and_the_replys_tokens(server, reference):
+    """vLLM's return_token_ids: a choice carries the prompt's ids and the generated ones (the
+    model's own greedy tokens), streamed as each chunk's own ids, which add up to the whole; a
+    next turn that resends them exactly is then a cached prefix."""
+    prompt, n = "import numpy as np", 10
+    ids = list(reference.ids(prompt))
+    want = reference.model.generate(torch.tensor([ids]), max_new_tokens=n, temperature=0.0, eos_token_id=[])
+    want = want[0, len(ids) :].tolist()
+    c = client(server)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    done = c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, extra_body=extra)
+    assert done.choices[0].token_ids == want and done.choices[0].prompt_token_ids == ids
+    chunks = list(c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                       extra_body=extra))
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert sum((chunk.choices[0].token_ids for chunk in chunks), []) == want
+    plain = c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert "token_ids" not in plain.choices[0].model_extra
 
 
 def test_the_prefix_cache_can_be_turned_off():
