@@ -61,8 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "context sequences use; CPU: the context or 2048 tokens, whichever is less, per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
-                   help="prompt tokens prefilled per engine step at most, beside the running sequences' decode "
-                        f"step; a longer prompt is prefilled in chunks of this many (default: {PREFILL_TOKENS})")
+                   help="prefill work per engine step, in prompt tokens, beside the running sequences' decode step; "
+                        "a longer prompt is prefilled in chunks, one a step, a token's attention to the tokens "
+                        "before it counting too, so that a chunk deep in a long prompt is shorter "
+                        f"(default: {PREFILL_TOKENS})")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep the KV-cache blocks of earlier prompts and replies for later prompts that "
                         "start with the same tokens (default: kept, least recently used evicted first)")

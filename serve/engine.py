@@ -74,6 +74,7 @@ from runtime.graphs import resolve_cuda_graph
 from runtime.sampler import Sampler, random_seed
 from runtime.text import TextStream
 
+from . import steps
 from .request import Limits, Output, QueueFull, Request, check_request
 from .steps import DecodeStep, PrefillStep
 
@@ -141,20 +142,25 @@ class Engine:
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
-    prefill_tokens: prompt tokens prefilled per step at most, packed into one forward (on CUDA,
-        into as few as the prefill graphs hold); a longer prompt is prefilled in chunks of it, one
-        chunk a step beside the running sequences' decode steps (chunked prefill).
+    prefill_tokens: the prefill work per step, in prompt tokens, packed into one forward (on CUDA,
+        into as few as the prefill graphs hold); a longer prompt is prefilled in chunks, one a step
+        beside the running sequences' decode steps (chunked prefill). A token's attention to the
+        tokens before it counts too (attention_cost per key, default from the model's shape:
+        serve/steps.py chunk_tokens), so that a chunk deep in a long prompt is shorter and every
+        step's prefill takes about the same time; 0: tokens alone.
     prefix_cache: keep the full blocks of every sequence, found again by their tokens: a prompt
         that starts as an earlier one did skips the prefill of that prefix (runtime/blocks.py).
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
                  max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, prefix_cache: bool = True):
+                 prefill_tokens: int = PREFILL_TOKENS, prefix_cache: bool = True,
+                 attention_cost: float | None = None):
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
         self.prefill_tokens = prefill_tokens
+        self.attention_cost = steps.attention_cost(model.config) if attention_cost is None else attention_cost
         config = model.config
         self.device = model.lm_head.weight.device
         self.max_len = config.max_position_embeddings
@@ -309,20 +315,23 @@ class Engine:
         earlier, oldest first, then waiting sequences, oldest first, admitted while the batch has
         room and the cache has blocks for them (keeping one per running sequence for its next
         token), each starting after the longest prefix of it that the cache holds."""
-        budget = self.prefill_tokens
+        budget = float(self.prefill_tokens)
         chunks: list[tuple[Sequence, int]] = []
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
+            n = steps.chunk_tokens(budget, seq.cached, len(seq.ids) - seq.cached, self.attention_cost)
+            budget -= steps.chunk_cost(seq.cached, n, self.attention_cost)
+            chunks.append((seq, n))
+
         for seq in self.running:
-            if budget and seq.prefilling:
-                n = min(len(seq.ids) - seq.cached, budget)
-                chunks.append((seq, n))
-                budget -= n
-        while budget and self.waiting and len(self.running) < self.max_batch:
+            if budget > 0 and seq.prefilling:
+                take(seq)
+        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
             if seq.unread or not self._admit(seq):  # preempted with a token in flight: once its ids hold it
                 break
-            n = min(len(seq.ids) - seq.cached, budget)
-            chunks.append((seq, n))
-            budget -= n
+            take(seq)
         # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
         from_start = all(seq.cached == 0 for seq, _ in chunks)
         packs: list[list[tuple[Sequence, int]]] = []

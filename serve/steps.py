@@ -90,6 +90,41 @@ class DecodeStep:
         return runner(B)[:B]
 
 
+def attention_cost(config) -> float:
+    """What one query's attention to one earlier key costs, in tokens' worth of the layers' matrix
+    products (arithmetic only, per token: 2 flops per weight; per key: q.k and p.v, 2 x 2 flops
+    per head and dimension). Qwen3-0.6B: 1 / 3,900 (a token 32k keys deep costs 9 tokens' worth);
+    8B: 1 / 24,000 (2.4)."""
+    c = config
+    H, K, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
+    mlp = 3 * D * (c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size)
+    per_token = 2 * (D * (H + 2 * K) * hd + H * hd * D + mlp)
+    per_key = 4 * H * hd
+    return per_key / per_token
+
+
+def chunk_cost(start: int, n: int, cost: float) -> float:
+    """What prefilling n tokens from position start costs, in tokens' worth (see chunk_tokens)."""
+    return n + cost * n * (start + (n + 1) / 2)
+
+
+def chunk_tokens(budget: float, start: int, remaining: int, cost: float) -> int:
+    """How many of a prompt's remaining tokens, from position start on, a step's budget (in tokens'
+    worth) prefills: n tokens cost n + cost * (the keys each attends to, start + 1 ... start + n),
+    so a chunk deep in a long prompt is shorter and a step takes about the same time wherever it
+    is. At least one token (a step always makes progress), at most `remaining`."""
+    def price(n: int) -> float:
+        return chunk_cost(start, n, cost)
+
+    if price(remaining) <= budget:
+        return remaining
+    b = 1 + cost * (start + 0.5)  # solve cost/2 n^2 + b n = budget
+    n = int(budget / b) if cost == 0 else int((-b + (b * b + 2 * cost * budget) ** 0.5) / cost)
+    while n > 1 and price(n) > budget:  # float rounding
+        n -= 1
+    return max(1, min(n, remaining))
+
+
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Prompt lengths with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and
     1.5 times them: a prompt of 16 tokens or more is padded by less than half), up to max_tokens."""

@@ -81,18 +81,19 @@ def test_requests_joining_and_leaving_generate_what_they_would_alone(model, path
     (10_000, [[2, 3, 4, 7, 9, 11]])], ids=["chunks", "two-steps", "all-together"])
 def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefill_tokens, steps):
     """Six prompts of different lengths, arriving together: each step prefills up to
-    prefill_tokens prompt tokens, first the rest of prompts begun earlier, then prompts in arrival
-    order, the last one cut to a chunk that fits (5: 5 of the 7-token prompt, then its last 2, the
-    2-token prompt and the first token of the 11-token one...), packed into one forward (shortest
-    chunk first); or whole prompts (7, 2, 11 and 4 fill 24; then 9 and 3), or all in one forward:
-    each row's tokens equal model.generate's for its prompt alone, the one whose max_tokens is 1
-    ending in its prefill beside the others."""
+    prefill_tokens prompt tokens (counting tokens alone: attention_cost 0), first the rest of
+    prompts begun earlier, then prompts in arrival order, the last one cut to a chunk that fits
+    (5: 5 of the 7-token prompt, then its last 2, the 2-token prompt and the first token of the
+    11-token one...), packed into one forward (shortest chunk first); or whole prompts (7, 2, 11
+    and 4 fill 24; then 9 and 3), or all in one forward: each row's tokens equal model.generate's
+    for its prompt alone, the one whose max_tokens is 1 ending in its prefill beside the others."""
     lengths = [7, 2, 11, 4, 9, 3]
     requests = [Request(p, 1 if i == 1 else 4, GREEDY, eos_ids=())
                 for i, p in enumerate(prompts(lengths, model.config.vocab_size, seed=7))]
     expected = [alone(model, r.prompt_ids, r.max_tokens, temperature=0.0) for r in requests]
     # Eager prefills (a GPU would replay each pack from a graph: test_graphed_engine_equals_eager_engine)
-    engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens, cuda_graph=False)
+    engine = Engine(model, max_batch=6, n_blocks=64, block_size=4, prefill_tokens=prefill_tokens, cuda_graph=False,
+                    attention_cost=0)  # prefill_tokens counts tokens alone
     outputs = [collect(engine, r) for r in requests]
     chunks = []  # each prefill forward's chunk lengths (a decode step's rows are 1 token each)
     hook = model.register_forward_pre_hook(

@@ -14,6 +14,7 @@ from conftest import DEVICE, use_path
 from qwen3 import Qwen3ForCausalLM
 from runtime.sampling import SamplingParams
 from serve.engine import Engine, Request
+from serve.steps import chunk_cost
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -119,9 +120,11 @@ def test_a_prompt_already_cached_whole_computes_its_last_token(model):
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
-    """Two streams decode while a prompt of 40 tokens arrives with prefill_tokens 8: it is prefilled
-    8 tokens a step over 5 steps, and every step of those gives each stream its next token."""
-    engine = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False, prefill_tokens=8)
+    """Two streams decode while a prompt of 40 tokens arrives with prefill_tokens 8 (tokens alone):
+    it is prefilled 8 tokens a step over 5 steps, and every step of those gives each stream its
+    next token; everything equals its run alone."""
+    engine = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False, prefill_tokens=8,
+                    attention_cost=0)
     streams = prompts([3, 5], model.config.vocab_size, seed=26)
     long_prompt = prompts([40], model.config.vocab_size, seed=27)[0]
     outputs = [[] for _ in range(3)]
@@ -142,6 +145,25 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
     engine.run()
     got = [[t for o in out for t in o.token_ids] for out in outputs]
     assert got == [alone(model, p, 20) for p in streams] + [alone(model, long_prompt, 3)]
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_shorter(model):
+    """With attention counted (each token's keys cost attention_cost tokens' worth), the chunks of a
+    60-token prompt under a budget of 16 shrink as they go deeper, each within the budget, and
+    the prompt still generates what it does alone. The default cost comes from the model's shape."""
+    assert 0 < Engine(model, n_blocks=8, block_size=BLOCK, cuda_graph=False).attention_cost < 1
+    engine = Engine(model, max_batch=2, n_blocks=64, block_size=BLOCK, cuda_graph=False, prefill_tokens=16,
+                    attention_cost=0.02)
+    prompt = prompts([60], model.config.vocab_size, seed=29)[0]
+    counts, hook = prefilled_tokens(model)
+    try:
+        got = run_alone(engine, prompt, 3)
+    finally:
+        hook.remove()
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    assert sum(counts) == 60 and counts == sorted(counts, reverse=True) and counts[0] > counts[-1] + 3
+    assert all(chunk_cost(start, n, 0.02) <= 16 for start, n in zip(starts, counts))
+    assert got == alone(model, prompt, 3)
 
 
 def test_shared_prefixes_cancellations_and_preemptions_lose_nothing(model):
