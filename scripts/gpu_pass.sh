@@ -2,7 +2,7 @@
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
-#                                  [decode-30b-a3b] [sampled-decode] [serve] [engine] [tp]
+#                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [scenarios] [engine] [tp]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log,
@@ -24,6 +24,9 @@
 #        the clients in 8 processes, so that reading 256 streams does not hold the clients back (serve-notes.md).
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
+# serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
+# scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
+#        off, then long prompts (16k, 32k) among 64 streams, into OUT/scenarios-*.json (about 4 minutes).
 # engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
 #        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
 #        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
@@ -46,7 +49,7 @@ for stage in $stages; do
   start=$SECONDS
   case $stage in
     tests)
-      timeout -s INT 540 python -m pytest -q -n 4 tests > "$out/gpu-tests.log" 2>&1
+      timeout -s INT ${TESTS_S:-540} python -m pytest -q -n 4 tests > "$out/gpu-tests.log" 2>&1
       tail -n 3 "$out/gpu-tests.log" ;;
     sampler-tests)
       timeout -s INT 400 python -m pytest -q -n 0 tests/test_sampler.py tests/test_sampling.py tests/test_generation.py \
@@ -88,6 +91,16 @@ for stage in $stages; do
         ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
       tail -n 8 "$out/serve.log" ;;
+    serve-256)
+      timeout 200 python scripts/bench_serve.py --config 0.6b --concurrency 256 --client-processes 8 \
+        ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-256.json" --server-log "$out/server-256.log" > "$out/serve-256.log" 2>&1
+      grep '^{' "$out/serve-256.log" ;;
+    scenarios)
+      timeout 200 python scripts/bench_scenarios.py --config 0.6b --scenario multi_turn ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/scenarios-multi-turn.json" > "$out/scenarios.log" 2>&1
+      timeout 150 python scripts/bench_scenarios.py --config 0.6b --scenario long_prompts ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/scenarios-long.json" >> "$out/scenarios.log" 2>&1
+      grep '^{' "$out/scenarios.log" ;;
     engine)
       timeout 400 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 --temperature 0 0.6 1 \
         --top-p 1 0.95 0.95 --top-k 0 20 0 > "$out/engine.log" 2>&1
