@@ -269,7 +269,7 @@ def test_packed_prefill_graph_in_bf16_matches_transformers(checkpoint):
         table = on_device([[3 * i, 3 * i + 1, 3 * i + 2] for i in range(len(rows))])
         assert engine.prefill.fits(sum(lengths), len(rows))
         with torch.inference_mode():
-            logits = engine.prefill(rows, table).clone()
+            logits = engine.prefill([(row, 0) for row in rows], table).clone()
             positions = on_device([len(row) for row in rows])
             step = model(on_device(nexts), positions, metadata.decode(positions, engine.cache, table))
             for i, row in enumerate(rows):

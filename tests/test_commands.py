@@ -4,6 +4,7 @@ command run from outside the checkout. The fresh venv sees this environment's pa
 file (torch and the rest: nothing is downloaded), after its own, so that what it imports of this
 project is the installed copy (checked)."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -50,7 +51,11 @@ def model_dir(tmp_path_factory):
 
 
 def run(command: list, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=ENV, cwd=cwd, input=stdin)
+    """command's run from cwd, with PYTHONPATH's entries that point into the checkout left out (a
+    checkout on the path would shadow the installed copy; other entries, packages, stay)."""
+    paths = [p for p in ENV.get("PYTHONPATH", "").split(os.pathsep) if p and not Path(p).resolve().is_relative_to(ROOT)]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(paths)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=cwd, input=stdin)
 
 
 def test_the_commands_run_the_installed_copy(venv_bin, tmp_path):
