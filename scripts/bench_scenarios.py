@@ -68,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default=None)
     p.add_argument("--server-log", type=Path, default=None)
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--plot", type=Path, help="a PNG of the results (needs matplotlib)")
     args = p.parse_args(argv)
     args.concurrency, args.prompt_min, args.prompt_max = [max(args.conversations, args.streams)], 0, 0
     return args
@@ -192,6 +193,38 @@ async def long_prompts(url: str, model: str, args, vocab: int) -> dict:
             "long_ttft_ms_alone": [round(1e3 * t, 1) for t in alone]}
 
 
+def plot(results: list[dict], path: Path) -> None:
+    """Bars: the multi-turn chat's TTFT of later turns and tok/s, prefix cache on and off; the
+    streams' p99 inter-token latency without and with long prompts, and each long prompt's TTFT
+    alone and among the streams."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    multi = [r for r in results if r["scenario"] == "multi_turn"]
+    longs = [r for r in results if r["scenario"] == "long_prompts"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    if multi:
+        names = ["cache on" if r["prefix_cache"] else "cache off" for r in multi]
+        axes[0].bar(names, [r["ttft_ms_p50_later_turns"] for r in multi], color=["C0", "C7"][: len(multi)])
+        axes[0].set(ylabel="ms", title=f"multi-turn: TTFT p50 of turns 2-{multi[0]['turns']}")
+        axes[1].bar(names, [r["total_tok_s"] for r in multi], color=["C0", "C7"][: len(multi)])
+        axes[1].set(ylabel="generated tok/s", title=f"multi-turn: {multi[0]['conversations']} conversations")
+    if longs:
+        r = longs[-1]
+        labels = ["ITL p99\nstreams alone", "ITL p99\nwith long"] + [
+            f"TTFT {n // 1024}k\n{how}" for n in r["long_tokens"] for how in ("alone", "among streams")]
+        values = [r["itl_ms_p99_without_long"], r["itl_ms_p99"]] + [
+            v for pair in zip(r["long_ttft_ms_alone"], r["long_ttft_ms"]) for v in pair]
+        axes[2].bar(labels, values, color=["C7", "C0"] + ["C7", "C0"] * len(r["long_tokens"]))
+        axes[2].set(yscale="log", ylabel="ms", title=f"long prompts among {r['streams']} streams")
+        axes[2].tick_params(axis="x", labelsize=7)
+    fig.suptitle(results[0]["model"] if results else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-scenarios-"))
@@ -231,6 +264,8 @@ def main(argv=None) -> None:
         doc = {"date": datetime.date.today().isoformat(), "commit": commit, "gpu": gpu_name(),
                "versions": versions(), "results": results}
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
