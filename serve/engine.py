@@ -62,7 +62,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -76,6 +76,7 @@ from runtime.text import TextStream
 
 from . import steps
 from .request import Limits, Output, QueueFull, Request, check_request
+from .sequence import Sequence
 from .steps import DecodeStep, PrefillStep
 
 __all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "QueueFull", "Request", "check_request"]
@@ -85,43 +86,6 @@ __all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "QueueFull", "Request
 # prefill. More per step takes a burst into the batch in fewer steps (fewer decode steps run
 # part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
 PREFILL_TOKENS = 8192
-
-
-@dataclass(eq=False)  # compared by identity: `seq in self.running` must not compare tensors
-class Sequence:
-    id: int
-    request: Request
-    ids: list[int]  # prompt, then generated tokens
-    on_output: Callable[[Output], None] | None
-    eos: set[int]
-    seed: int  # the request's, else one of its own: its tokens come from this stream alone
-    stream: TextStream | None
-    blocks: list[int] = field(default_factory=list)
-    row: int = -1  # while running: its row of the engine's block table (see Engine.block_rows)
-    cached: int = 0  # positions [0, cached) are in the cache
-    text: str = ""  # generated text decoded so far
-    sent: int = 0  # characters of text already handed out
-    finish_reason: str | None = None
-    unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
-    keys: list[int] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
-    registered: int = 0  # of its blocks, the first this many are registered (prefix caching)
-
-    def __post_init__(self) -> None:
-        self.n_prompt = len(self.request.prompt_ids)
-
-    @property
-    def n_generated(self) -> int:
-        return len(self.ids) - self.n_prompt
-
-    @property
-    def prefilling(self) -> bool:
-        """Admitted, and some of its tokens (a prompt's, a preempted sequence's) not in the cache yet."""
-        return self.cached < len(self.ids)
-
-    @property
-    def n_launched(self) -> int:
-        """Tokens generated or being generated: the one whose step is in flight counts."""
-        return self.cached + 1 - self.n_prompt
 
 
 @dataclass
@@ -493,41 +457,11 @@ class Engine:
         """Append a sampled token, apply the stops, hand out the new text."""
         seq.ids.append(token)
         self._register_blocks(seq)
-        reason = None
-        if token in seq.eos:
-            reason = "stop"
-        else:
-            if seq.stream is not None:
-                seq.text += seq.stream.push(token)
-            if len(seq.ids) - seq.n_prompt >= seq.request.max_tokens:
-                reason = "length"
-        if reason is not None and seq.stream is not None:
-            seq.text += seq.stream.flush()  # a character the stream held back, now complete or not
-        stops = seq.request.stop
-        if stops:
-            stop_at = self._find_stop(seq)
-            if stop_at is not None:
-                seq.text, reason = seq.text[:stop_at], "stop"
+        reason = seq.read(token)
         if reason is not None:
             self._finish(seq, reason, token)
-            return
-        held = self._held_back(seq) if stops else 0
-        self._emit(seq, seq.text[seq.sent : len(seq.text) - held], [token], None)
-        seq.sent = len(seq.text) - held
-
-    def _find_stop(self, seq: Sequence) -> int | None:
-        found = [i for i in (seq.text.find(s, max(0, seq.sent - len(s))) for s in seq.request.stop if s) if i >= 0]
-        return min(found) if found else None
-
-    def _held_back(self, seq: Sequence) -> int:
-        """Characters at the end of the text that may begin a stop string: not handed out yet."""
-        held = 0
-        for stop in seq.request.stop:
-            for n in range(min(len(stop) - 1, len(seq.text) - seq.sent), held, -1):
-                if seq.text.endswith(stop[:n]):
-                    held = n
-                    break
-        return held
+        else:
+            self._emit(seq, seq.unsent(), [token], None)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None) -> None:
         """End a sequence: free its blocks at once (its registered ones stay cached), take it out of

@@ -60,12 +60,13 @@ def assert_blocks_add_up(engine):
 def test_a_shared_prefix_is_prefilled_once_and_changes_no_token(model, path):
     """Requests that share a system prompt of 3 blocks and a half, one after another: the first
     prefills it all; each later one finds its 3 full blocks and prefills only its own tokens (the
-    hit rate says so), and generates what it generates alone, and what the engine without the
-    cache generates."""
+    hit rate says so), and generates what it generates alone, and (reference path) what the engine
+    without the cache generates. The fused path (the paged chunk kernel, interpreted here) with
+    two requests: the interpreter's time."""
     use_path(model, path)
     try:
         system = prompts([3 * BLOCK + 2], model.config.vocab_size, seed=21)[0]
-        users = prompts([5, 1, 9], model.config.vocab_size, seed=22)
+        users = prompts([5, 1, 9], model.config.vocab_size, seed=22)[: 3 if path == "reference" else 2]
         cached = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False)
         plain = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False, prefix_cache=False)
         counts, hook = prefilled_tokens(model)
@@ -73,15 +74,17 @@ def test_a_shared_prefix_is_prefilled_once_and_changes_no_token(model, path):
             for user in users:
                 prompt = system + user
                 counts.clear()
-                got = run_alone(cached, prompt, 5)
+                got = run_alone(cached, prompt, 4)
                 prefilled = counts[0]
-                assert got == alone(model, prompt, 5) == run_alone(plain, prompt, 5)
+                assert got == alone(model, prompt, 4)
+                if path == "reference":
+                    assert got == run_alone(plain, prompt, 4)
                 assert prefilled == (len(prompt) if user is users[0] else len(prompt) - 3 * BLOCK)
         finally:
             hook.remove()
         stats = cached.prefix_stats()
-        assert stats["hit_tokens"] == 2 * 3 * BLOCK and stats["used_blocks"] == 0 and stats["cached_blocks"] > 0
-        assert stats["prompt_tokens"] == sum(len(system) + len(u) for u in users)
+        assert stats["hit_tokens"] == (len(users) - 1) * 3 * BLOCK and stats["used_blocks"] == 0
+        assert stats["cached_blocks"] > 0 and stats["prompt_tokens"] == sum(len(system) + len(u) for u in users)
         assert plain.prefix_stats()["hit_tokens"] == 0 and plain.prefix_stats()["cached_blocks"] == 0
     finally:
         use_path(model, None)
