@@ -65,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "a longer prompt is prefilled in chunks, one a step, a token's attention to the tokens "
                         "before it counting too, so that a chunk deep in a long prompt is shorter "
                         f"(default: {PREFILL_TOKENS})")
+    p.add_argument("--no-reasoning-parser", dest="reasoning", action="store_false",
+                   help="leave a chat reply's reasoning (<think>...</think>) in content, as the model wrote it "
+                        "(default: in message.reasoning_content / delta.reasoning_content, where the chat "
+                        "template has think tags)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not keep the KV-cache blocks of earlier prompts and replies for later prompts that "
                         "start with the same tokens (default: kept, least recently used evicted first)")
@@ -234,7 +238,8 @@ def serve(args: argparse.Namespace) -> None:
               f"blocks of {limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
               file=sys.stderr, flush=True)
         # uvicorn listens on the socket bound above (uvicorn.run would bind its own).
-        server = HTTPServer(create_app(engine, tokenizer, name), args.host, port, args.shutdown_timeout, say)
+        app = create_app(engine, tokenizer, name, args.reasoning)
+        server = HTTPServer(app, args.host, port, args.shutdown_timeout, say)
         server.run(sockets=[sock])
     finally:
         if engine is not None:

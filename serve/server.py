@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from runtime.reasoning import OPEN, Part, ReasoningSplitter
 from runtime.sampling import sampling_params
 
 from .engine import Output, QueueFull
@@ -169,8 +170,11 @@ class Server:
     """The routes' shared state: the engine, the tokenizer, what the model is called, and the open
     requests (to end them at a shutdown)."""
 
-    def __init__(self, engine: EngineProcess, tokenizer, model_name: str):
+    def __init__(self, engine: EngineProcess, tokenizer, model_name: str, reasoning: bool = True):
+        """reasoning: chat replies' reasoning apart, in reasoning_content, where the chat template has
+        think tags (Qwen3's)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.reasoning = reasoning and OPEN in (tokenizer.chat_template or "")
         self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
@@ -269,6 +273,14 @@ class Server:
             raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
+        """What splits a chat reply into reasoning and answer (None: the reply is all content): it
+        starts inside the reasoning when the prompt ends by opening the think block (templates of
+        thinking-only models do)."""
+        if not self.reasoning:
+            return None
+        return ReasoningSplitter(thinking=self.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(OPEN))
+
     def submit(self, request: EngineRequest, outputs: Outputs) -> int:
         """The request handed to the engine, open until close(); 429 past the queue bound, 503 once
         the server stops taking requests."""
@@ -310,9 +322,10 @@ class Server:
         seq_id = self.submit(request, outputs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         prompt_ids = request.prompt_ids if fields.return_token_ids else None
+        splitter = self.splitter(request.prompt_ids) if chat else None
         if fields.stream:
             include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-            return EventStream(self.sse(outputs, rid, chat, include_usage, prompt_ids),
+            return EventStream(self.sse(outputs, rid, chat, include_usage, prompt_ids, splitter),
                                on_close=lambda: self.close(seq_id))
         watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, seq_id))
         try:
@@ -325,8 +338,11 @@ class Server:
         if out.finish_reason == "cancelled":  # its client has left: nobody reads this
             return JSONResponse({}, status_code=499)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                      "finish_reason": out.finish_reason}
+            message = {"role": "assistant", "content": out.text}
+            if splitter is not None:
+                reasoning, message["content"] = joined(splitter.feed(out.text) + splitter.finish())
+                message["reasoning_content"] = reasoning or None
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         if prompt_ids is not None:
@@ -347,22 +363,29 @@ class Server:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool, prompt_ids: list[int] | None):
+    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool, prompt_ids: list[int] | None,
+                  splitter: ReasoningSplitter | None):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request the
         server ends (a shutdown, the engine's death) ends with an event {"error": {...}}, which the
         openai client raises as an APIError. If the client goes away, Starlette cancels this
         generator at its await, and EventStream's on_close cancels the sequence. prompt_ids: the
         request asked for token ids (return_token_ids): each chunk carries its own, the first the
-        prompt's too."""
+        prompt's too. splitter: a chat reply's reasoning goes to delta.reasoning_content."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         first = True
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False, usage=None, tokens=()) -> str:
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False, usage=None, tokens=(),
+                  final: bool = False) -> str:
             nonlocal first
             if chat:
+                reasoning = None
+                if splitter is not None and not role and not usage:
+                    reasoning, text = joined(splitter.feed(text or "") + (splitter.finish() if final else []))
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
             else:
                 choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
@@ -383,12 +406,12 @@ class Server:
             out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
             if (error := self.failure(outputs, out)) is not None:
                 if out.text:
-                    yield chunk(out.text, None, tokens=out.token_ids)
+                    yield chunk(out.text, None, tokens=out.token_ids, final=True)
                 yield event(error.body())
                 break
             if out.finish_reason == "cancelled":  # its client has left
                 return
-            yield chunk(out.text, out.finish_reason, tokens=out.token_ids)
+            yield chunk(out.text, out.finish_reason, tokens=out.token_ids, final=out.finish_reason is not None)
             if out.finish_reason:
                 if include_usage:
                     yield chunk(None, None, usage=self.usage(out))
@@ -396,9 +419,15 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def create_app(engine: EngineProcess, tokenizer, model_name: str) -> FastAPI:
-    """The app; its lifespan starts the engine's threads and stops the engine."""
-    server = Server(engine, tokenizer, model_name)
+def joined(parts: list[tuple[Part, str]]) -> tuple[str, str]:
+    """(the reasoning, the answer) of a reply's parts."""
+    return ("".join(text for part, text in parts if part is Part.REASONING),
+            "".join(text for part, text in parts if part is Part.ANSWER))
+
+
+def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: bool = True) -> FastAPI:
+    """The app; its lifespan starts the engine's threads and stops the engine. reasoning: see Server."""
+    server = Server(engine, tokenizer, model_name, reasoning)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -23,7 +23,8 @@ from in_process import call_main
 from transformers import AutoTokenizer
 
 from cli import generate
-from cli.chat import Conversation, Part, ReasoningSplitter, ReplyView, Session
+from cli.chat import Conversation, ReplyView, Session
+from runtime.reasoning import Part, ReasoningSplitter
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120  # seconds for any one wait on the process: a hang fails the test instead of blocking the suite
