@@ -3,7 +3,7 @@
 Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
 0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds
 of fields beyond the ones the server implements:
-- defined by OpenAI's API but not implemented here (tools, response_format, logprobs, n > 1...):
+- defined by OpenAI's API but not implemented here (response_format, logprobs, n > 1, a forced tool call...):
   a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
   never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
 - defined by the API and accepted whatever they hold, because they do not change the answer
@@ -86,15 +86,49 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class MessageToolCall(Strict):
+    """A call an assistant message made (sent back in the history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
     name: Any = None  # UNSUPPORTED unless null: the chat template shows no names
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
+
+
+class FunctionDefinition(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template
+    strict: Any = None  # UNSUPPORTED unless false: a schema-exact call needs constrained decoding
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(SamplingFields):
@@ -102,8 +136,8 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: {"enable_thinking": false}
     top_logprobs: Any = None  # UNSUPPORTED unless off
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # UNSUPPORTED: required, named
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
@@ -132,12 +166,11 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "top_logprobs": ((0,), "no log probabilities are returned"),
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": (("",), "fill-in-the-middle is not implemented"),
-    "tools": (([],), "tool calling is not implemented yet"),
-    "tool_choice": (("none",), "tool calling is not implemented yet"),
-    "functions": (([],), "function calling is not implemented"),
-    "function_call": (("none",), "function calling is not implemented"),
-    "tool_calls": (([],), "tool calling is not implemented yet"),
-    "tool_call_id": ((), "tool calling is not implemented yet"),
+    "tool_choice": (("none", "auto"), "a call forced by 'required' or a named function needs constrained "
+                    "decoding, not implemented yet: use 'auto'"),
+    "strict": ((False,), "a call exactly to the schema needs constrained decoding, not implemented yet"),
+    "functions": (([],), "function calling is not implemented: use tools"),
+    "function_call": (("none",), "function calling is not implemented: use tools and tool_choice"),
     "response_format": (({"type": "text"},), "structured output is not implemented yet: the answer is plain text"),
     "audio": ((), "text only"),
     "modalities": ((["text"],), "text only"),
@@ -162,15 +195,20 @@ def is_off(value: Any, allowed: tuple) -> bool:
     return value is None or any(type(value) is type(a) and value == a for a in allowed)
 
 
-def refuse_unsupported(model: BaseModel, path: str = "") -> None:
-    """OpenAIError(400) naming the first field that asks for what the server does not implement."""
+def refuse_unsupported(model: BaseModel, path: str = "", names: tuple[str, ...] | None = None) -> None:
+    """OpenAIError(400) naming the first field that asks for what the server does not implement
+    (of `names` only, when given: a tool's function has a name that is not a message's)."""
     for name, (allowed, instead) in UNSUPPORTED.items():
+        if names is not None and name not in names:
+            continue
         if name in type(model).model_fields and not is_off(value := getattr(model, name), allowed):
             where = f"{path}.{name}" if path else name
             raise OpenAIError(400, f"'{where}' is not supported by this server: {instead}; got {short(value)}",
                               param=where, code="unsupported_parameter")
     for i, message in enumerate(getattr(model, "messages", None) or []):
         refuse_unsupported(message, f"messages[{i}]")
+    for i, tool in enumerate(getattr(model, "tools", None) or []):
+        refuse_unsupported(tool.function, f"tools[{i}].function", names=("strict",))
 
 
 # Fields whose type is a union: a value of none of its kinds is described here, not by each member's error.
@@ -181,7 +219,8 @@ KINDS = {
 }
 # Every field name of the request models: what is not one in a pydantic error location is the tag of
 # a union's member ("str", "list[int]").
-FIELD_NAMES = {name for model in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions)
+FIELD_NAMES = {name for model in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions, Tool,
+                                   FunctionDefinition, NamedToolChoice, NamedFunction, MessageToolCall, FunctionCall)
                for name in model.model_fields}
 
 

@@ -51,26 +51,26 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from runtime.reasoning import OPEN, Part, ReasoningSplitter
+from runtime.reasoning import OPEN, ReasoningSplitter
 from runtime.sampling import sampling_params
 
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
+from .reply import ReplyParser
+from .streams import EventStream, Outbox, Outputs, event
 
 # The thread that receives the engine's outputs and the event loop share the GIL. The receiver
 # waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
@@ -82,83 +82,6 @@ HEALTH_TIMEOUT_S = 10.0  # /health's wait for the engine's numbers; longer is a 
 # uvicorn's own bound on a graceful shutdown, past the server's: requests cut at the end of the
 # grace period still need a moment to send their last event.
 SHUTDOWN_MARGIN_S = 5.0
-
-
-class Outputs:
-    """One request's outputs, appended on the thread that receives the engine's outputs, taken on
-    the event loop. each=False (a request that is not streamed): the loop is woken by the last
-    output only, not by every step's."""
-
-    def __init__(self, outbox: "Outbox", each: bool = True):
-        self.outbox, self.each = outbox, each
-        self.items: deque[Output] = deque()
-        self.ready = asyncio.Event()
-        self.done = False  # the last output has been taken
-        self.cut: OpenAIError | None = None  # why the server ended it (a shutdown): what its client gets
-
-    def put(self, out: Output) -> None:  # the receiving thread
-        self.items.append(out)
-        if self.each or out.finish_reason is not None:
-            self.outbox.notify(self)
-
-    async def take(self) -> Output:
-        """Every output that arrived since the last take, merged into one (waits for one)."""
-        while not self.items:
-            await self.ready.wait()
-            self.ready.clear()
-        first = self.items.popleft()
-        text, tokens, last = [first.text], list(first.token_ids), first
-        while self.items:
-            last = self.items.popleft()
-            text.append(last.text)
-            tokens += last.token_ids
-        self.done = last.finish_reason is not None
-        return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens)
-
-
-class Outbox:
-    """Wakes the event loop for requests with new outputs: one call_soon_threadsafe (a write to
-    the loop's wake-up pipe) per burst of outputs, whichever requests they belong to, instead of
-    one per token. A burst is what the receiving thread hands out before the loop runs `deliver`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.dirty: list[Outputs] = []
-        self.scheduled = False
-        self.lock = threading.Lock()  # the list and the flag change on two threads
-
-    def notify(self, outputs: Outputs) -> None:  # the receiving thread
-        with self.lock:
-            self.dirty.append(outputs)
-            schedule, self.scheduled = not self.scheduled, True
-        if schedule:
-            self.loop.call_soon_threadsafe(self.deliver)
-
-    def deliver(self) -> None:  # the loop
-        with self.lock:
-            dirty, self.dirty, self.scheduled = self.dirty, [], False
-        for outputs in dirty:
-            outputs.ready.set()
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose on_close runs however the response ends: also when the client leaves
-    before the first event, when the events' generator has not started and its own finally would
-    never run."""
-
-    def __init__(self, events, on_close: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def event(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
 
 
 def engine_dead(reason: str) -> OpenAIError:
@@ -262,24 +185,35 @@ class Server:
             raise OpenAIError(400, f"The model `{self.model_name}` has no chat template (a base model): use "
                                    "/v1/completions with a plain prompt", param="messages")
         messages = []
-        for m in req.messages:
+        for i, m in enumerate(req.messages):
             content = m.content if isinstance(m.content, str) or m.content is None else "".join(
                 part.text for part in m.content)
-            messages.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            if m.tool_calls:  # the template writes the arguments as JSON: it takes them as an object
+                message["tool_calls"] = [{"type": "function", "id": call.id, "function": {
+                    "name": call.function.name, "arguments": json_object(call.function.arguments,
+                                                                         f"messages[{i}].tool_calls[{j}]")}}
+                    for j, call in enumerate(m.tool_calls)]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **(req.chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True, **(req.chat_template_kwargs or {}))
         except Exception as err:  # a template's own error (jinja raises its own types)
             raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
-        """What splits a chat reply into reasoning and answer (None: the reply is all content): it
-        starts inside the reasoning when the prompt ends by opening the think block (templates of
-        thinking-only models do)."""
-        if not self.reasoning:
-            return None
-        return ReasoningSplitter(thinking=self.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(OPEN))
+    def reply_parser(self, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
+        """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
+        tags (starting inside it when the prompt ends by opening the think block, as templates of
+        thinking-only models do), and the calls of the request's tools unless tool_choice is none."""
+        splitter = None
+        if self.reasoning:
+            splitter = ReasoningSplitter(thinking=self.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(OPEN))
+        tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
+        return ReplyParser(splitter, tools)
 
     def submit(self, request: EngineRequest, outputs: Outputs) -> int:
         """The request handed to the engine, open until close(); 429 past the queue bound, 503 once
@@ -317,15 +251,17 @@ class Server:
         return OpenAIError(500, "The engine failed while generating this request (the server's log says why)",
                            type_="server_error")
 
-    async def run(self, http: Request, request: EngineRequest, fields: SamplingFields, chat: bool):
+    async def run(self, http: Request, request: EngineRequest, fields: SamplingFields,
+                  reply: ReplyParser | None = None):
+        """reply: a chat request's parser (None: a completion)."""
+        chat = reply is not None
         outputs = Outputs(self.outbox, each=fields.stream)
         seq_id = self.submit(request, outputs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         prompt_ids = request.prompt_ids if fields.return_token_ids else None
-        splitter = self.splitter(request.prompt_ids) if chat else None
         if fields.stream:
             include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-            return EventStream(self.sse(outputs, rid, chat, include_usage, prompt_ids, splitter),
+            return EventStream(self.sse(outputs, rid, include_usage, prompt_ids, reply),
                                on_close=lambda: self.close(seq_id))
         watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, seq_id))
         try:
@@ -338,11 +274,15 @@ class Server:
         if out.finish_reason == "cancelled":  # its client has left: nobody reads this
             return JSONResponse({}, status_code=499)
         if chat:
-            message = {"role": "assistant", "content": out.text}
-            if splitter is not None:
-                reasoning, message["content"] = joined(splitter.feed(out.text) + splitter.finish())
-                message["reasoning_content"] = reasoning or None
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}
+            delta = reply.feed(out.text, final=True)
+            content = (delta.content or None) if delta.calls else delta.content  # OpenAI's: null beside calls
+            message = {"role": "assistant", "content": content}
+            if reply.splitter is not None:
+                message["reasoning_content"] = delta.reasoning or None
+            if delta.calls:
+                message["tool_calls"] = [call.as_dict() for call in delta.calls]
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason(out.finish_reason, delta.calls)}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         if prompt_ids is not None:
@@ -363,32 +303,40 @@ class Server:
         return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                 "total_tokens": out.prompt_tokens + out.completion_tokens}
 
-    async def sse(self, outputs: Outputs, rid: str, chat: bool, include_usage: bool, prompt_ids: list[int] | None,
-                  splitter: ReasoningSplitter | None):
+    async def sse(self, outputs: Outputs, rid: str, include_usage: bool, prompt_ids: list[int] | None,
+                  reply: ReplyParser | None):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request the
         server ends (a shutdown, the engine's death) ends with an event {"error": {...}}, which the
         openai client raises as an APIError. If the client goes away, Starlette cancels this
         generator at its await, and EventStream's on_close cancels the sequence. prompt_ids: the
         request asked for token ids (return_token_ids): each chunk carries its own, the first the
-        prompt's too. splitter: a chat reply's reasoning goes to delta.reasoning_content."""
+        prompt's too. reply: a chat reply's parser (None: a completion): its reasoning goes to
+        delta.reasoning_content, its tool calls to delta.tool_calls, a whole call in one delta."""
+        chat = reply is not None
+        called = False  # a tool call was sent: the finish reason is tool_calls
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         first = True
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False, usage=None, tokens=(),
+        def chunk(text: str | None, reason: str | None, role: bool = False, usage=None, tokens=(),
                   final: bool = False) -> str:
-            nonlocal first
+            nonlocal first, called
             if chat:
-                reasoning = None
-                if splitter is not None and not role and not usage:
-                    reasoning, text = joined(splitter.feed(text or "") + (splitter.finish() if final else []))
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                if role or usage:
+                    delta = {"role": "assistant", "content": ""} if role else {}
+                else:
+                    parsed = reply.feed(text or "", final)
+                    delta = {"content": parsed.content} if parsed.content else {}
+                    if parsed.reasoning:
+                        delta["reasoning_content"] = parsed.reasoning
+                    if parsed.calls:
+                        delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
+                        called = True
+                reason = finish_reason(reason, [True] if called else [])
+                choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
             else:
-                choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+                choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
             if prompt_ids is not None and not usage:
                 choices[0]["token_ids"] = list(tokens)
                 if first:
@@ -419,10 +367,21 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def joined(parts: list[tuple[Part, str]]) -> tuple[str, str]:
-    """(the reasoning, the answer) of a reply's parts."""
-    return ("".join(text for part, text in parts if part is Part.REASONING),
-            "".join(text for part, text in parts if part is Part.ANSWER))
+def finish_reason(reason: str | None, calls: list) -> str | None:
+    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and calls else reason
+
+
+def json_object(arguments: str, where: str) -> dict:
+    """A history's tool call arguments as the object the chat template writes, or a 400 naming it."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"'{where}.function.arguments' must be a JSON object, got {arguments[:80]!r}",
+                          param=f"{where}.function.arguments")
+    return value
 
 
 def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: bool = True) -> FastAPI:
@@ -489,7 +448,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         server.check_model(req.model)
         ids = server.completion_prompt(req)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16)
-        return await server.run(request, engine_request, req, chat=False)
+        return await server.run(request, engine_request, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -499,7 +458,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
-        return await server.run(request, engine_request, req, chat=True)
+        return await server.run(request, engine_request, req, server.reply_parser(req, ids))
 
     return app
 

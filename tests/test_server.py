@@ -295,7 +295,7 @@ def test_outputs_arriving_faster_than_the_loop_takes_them_merge_into_one_chunk()
     everything since its last look as one output (text and tokens joined in order, the last
     one's finish reason and counts), so a stream under load sends fewer, fuller chunks."""
     from serve.engine import Output
-    from serve.server import Outbox, Outputs
+    from serve.streams import Outbox, Outputs
 
     async def main():
         outbox = Outbox(asyncio.get_running_loop())
@@ -319,7 +319,7 @@ def test_a_request_that_is_not_streamed_wakes_the_loop_once_by_its_last_output()
     """each=False: outputs before the last wake nothing (no call into the loop per engine step);
     the last wakes the request, which takes the whole answer at once."""
     from serve.engine import Output
-    from serve.server import Outbox, Outputs
+    from serve.streams import Outbox, Outputs
 
     async def main():
         outbox = Outbox(asyncio.get_running_loop())

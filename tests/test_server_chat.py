@@ -1,0 +1,263 @@
+"""What a chat reply is taken apart into: reasoning (message.reasoning_content, delta.reasoning_content),
+the answer (content) and Qwen3's tool calls (tool_calls), through the real server and the official
+`openai` client.
+
+The checkpoint is made to say a chosen reply: one layer whose attention and MLP add nothing, so each
+position's hidden state is its token's embedding, and an LM head that maps each token of the reply
+to the next one (`scripted_checkpoint`). So the parser sees real <think> and </think> tokens from the
+engine, greedy, whatever the batch. Its tokenizer is the shipped one with Qwen3's think tags (and
+"\\n\\n", so that a prompt whose template closed an empty think block ends in a token of its own),
+and whole replies with tool calls as tokens of their own, which the test's template asks for with
+a token at the end of the prompt (chat_template_kwargs {"script": "call"} and so on)."""
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import transformers
+from servers import REQUEST_TIMEOUT_S, SHIPPED, load_serve_py, serving
+
+from runtime.reasoning import ReasoningSplitter
+from runtime.text import load_tokenizer
+from serve.reply import ReplyParser
+
+THINKING, ANSWER = "Let me add them.", "The sum is 5"
+# Qwen3's template (its newlines kept), and what the thinking-only (2507) templates do: open the think
+# block in the prompt (think_opened).
+TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' + (tools | tojson) + '</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + message.content + '</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson)"
+    " + '</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if think_opened is defined and think_opened %}{{- '<think>' }}{%- endif %}"
+    "{%- if script is defined %}{{- '<|' + script + '|>' }}{%- endif %}"
+    "{%- endif %}"
+)
+ARGUMENTS = '{"city": "Paris"}'
+CALL = '{"name": "get_weather", "arguments": ' + ARGUMENTS + "}"
+SCRIPTS = {  # what the prompt's last token makes the model say, token by token
+    "call": ["I will check the weather.", f"<tool_call>\n{CALL}\n</tool_call>"],
+    "inside": ['<think>Perhaps <tool_call>{"name": "get_weather", "arguments": {}}</tool_call> helps.</think>',
+               "No call is needed."],
+    "bad": ['<tool_call>{"name": "get_weather", "arguments": {bad json</tool_call>'],
+    "unknown": ['<tool_call>{"name": "launch", "arguments": {}}</tool_call>'],
+}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def scripted_checkpoint(path: Path) -> Path:
+    """A checkpoint whose greedy reply to a chat prompt is <think>THINKING</think>ANSWER, then EOS
+    (ANSWER alone after a prompt that closed the think block; THINKING</think>ANSWER after one that
+    opened it)."""
+    tok = load_tokenizer(SHIPPED)
+    tok.add_tokens(["<think>", "</think>", "\n\n"] + [f"<|{name}|>" for name in SCRIPTS]
+                   + [piece for pieces in SCRIPTS.values() for piece in pieces])
+    tok.chat_template = TEMPLATE
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    think, close, blank, newline = ids("<think>") + ids("</think>") + ids("\n\n") + ids("\n")
+    thinking, answer = ids(THINKING), ids(ANSWER)
+    reply = [think, *thinking, close, *answer]
+    assert len(set(reply)) == len(reply) and newline not in reply and blank not in reply  # a chain of distinct tokens
+    successor = dict(zip([newline, *reply], [*reply, tok.eos_token_id]))
+    successor[blank] = answer[0]  # after "</think>\n\n" in the prompt: the answer
+    for name, pieces in SCRIPTS.items():
+        chain = [ids(f"<|{name}|>")[0]] + [ids(piece)[0] for piece in pieces]
+        assert all(len(ids(piece)) == 1 for piece in pieces) and not set(chain) & set(successor)
+        successor |= dict(zip(chain, chain[1:] + [tok.eos_token_id]))
+
+    config = transformers.Qwen3Config.from_pretrained(SHIPPED)
+    config.num_hidden_layers, config.tie_word_embeddings, config.vocab_size = 1, False, len(tok)
+    config.layer_types = ["full_attention"]
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).float()
+    with torch.no_grad():
+        embed = torch.randn(config.vocab_size, config.hidden_size)
+        model.model.embed_tokens.weight.copy_(embed)
+        for layer in model.model.layers:  # adds nothing to the residual stream
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.zeros(config.vocab_size, config.hidden_size)
+        for token, nxt in successor.items():
+            head[nxt] += 10 * embed[token] / embed[token].norm()
+        model.lm_head.weight.copy_(head)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return scripted_checkpoint(tmp_path_factory.mktemp("scripted"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    with serving(checkpoint, tmp_path_factory.mktemp("serve")) as served:
+        yield served.url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def ask(url: str, stream: bool, max_tokens: int = 64, **kwargs) -> tuple[str | None, str | None, str]:
+    """(reasoning_content, content, finish_reason) of a chat reply; streamed, its deltas joined
+    (None where no delta had that field)."""
+    c = client(url)
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    extra = {"chat_template_kwargs": kwargs} if kwargs else None
+    if not stream:
+        done = c.chat.completions.create(model=c.models.list().data[0].id, messages=messages, max_tokens=max_tokens,
+                                         temperature=0, extra_body=extra)
+        message = done.choices[0].message
+        return getattr(message, "reasoning_content", None), message.content, done.choices[0].finish_reason
+    reasoning, content, reason = None, None, None
+    for chunk in c.chat.completions.create(model=c.models.list().data[0].id, messages=messages,
+                                           max_tokens=max_tokens, temperature=0, stream=True, extra_body=extra):
+        delta = chunk.choices[0].delta
+        if getattr(delta, "reasoning_content", None):
+            reasoning = (reasoning or "") + delta.reasoning_content
+        if delta.content:
+            content = (content or "") + delta.content
+        reason = chunk.choices[0].finish_reason or reason
+    return reasoning, content, reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_reasoning_goes_to_reasoning_content_and_the_answer_to_content(server, stream):
+    reasoning, content, reason = ask(server, stream)
+    assert (reasoning, content, reason) == (THINKING, ANSWER, "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_with_thinking_off_the_reply_is_all_content(server, stream):
+    """The template closes an empty think block in the prompt: what the model says is the answer."""
+    reasoning, content, _ = ask(server, stream, enable_thinking=False)
+    assert reasoning is None and content == ANSWER
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_cut_before_its_think_block_closes_is_all_reasoning(server, stream):
+    reasoning, content, reason = ask(server, stream, max_tokens=4)  # <think>, then 3 of THINKING's tokens
+    assert reason == "length" and THINKING.startswith(reasoning) and reasoning and not content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_prompt_that_opened_the_think_block_starts_the_reply_in_reasoning(server, stream):
+    reasoning, content, _ = ask(server, stream, think_opened=True)
+    assert (reasoning, content) == (THINKING, ANSWER)
+
+
+def test_without_the_parser_the_reasoning_stays_in_content(checkpoint, tmp_path):
+    assert load_serve_py().parse_args(["--no-reasoning-parser"]).reasoning is False
+    with serving(checkpoint, tmp_path, "--no-reasoning-parser") as served:
+        for stream in (False, True):
+            assert ask(served.url, stream)[:2] == (None, f"<think>{THINKING}</think>{ANSWER}")
+
+
+def chat(url: str, stream: bool, script: str | None = None, tools=TOOLS, messages=None, **fields):
+    """(message as a dict, finish_reason) of a chat reply; streamed, its deltas put together."""
+    c = client(url)
+    kwargs = dict(model=c.models.list().data[0].id, temperature=0, max_tokens=64, tools=tools,
+                  messages=messages or [{"role": "user", "content": "Weather in Paris?"}],
+                  extra_body={"chat_template_kwargs": {"script": script}} if script else None, **fields)
+    if not stream:
+        done = c.chat.completions.create(**kwargs)
+        return done.choices[0].message.model_dump(), done.choices[0].finish_reason
+    message, reason, calls = {"content": None, "reasoning_content": None}, None, {}
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta.model_dump()
+        for key in ("content", "reasoning_content"):
+            if delta.get(key):
+                message[key] = (message[key] or "") + delta[key]
+        for call in delta.get("tool_calls") or []:
+            calls[call["index"]] = call
+        reason = chunk.choices[0].finish_reason or reason
+    message["tool_calls"] = [{k: v for k, v in calls[i].items() if k != "index"} for i in sorted(calls)] or None
+    return message, reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_in_the_answer_becomes_tool_calls(server, stream):
+    message, reason = chat(server, stream, "call")
+    assert reason == "tool_calls" and message["content"] == "I will check the weather."
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_inside_the_reasoning_is_reasoning(server, stream):
+    message, reason = chat(server, stream, "inside")
+    assert reason == "stop" and not message["tool_calls"] and message["content"] == "No call is needed."
+    assert message["reasoning_content"] == SCRIPTS["inside"][0].removeprefix("<think>").removesuffix("</think>")
+
+
+@pytest.mark.parametrize("script", ["bad", "unknown"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_malformed_call_or_one_of_an_unknown_tool_stays_in_content(server, stream, script):
+    message, reason = chat(server, stream, script)
+    assert reason == "stop" and not message["tool_calls"] and message["content"] == SCRIPTS[script][0]
+
+
+def test_with_tool_choice_none_or_no_tools_a_call_is_content(server):
+    for fields in ({"tool_choice": "none"}, {"tools": openai.NOT_GIVEN}):
+        message, reason = chat(server, False, "call", **fields)
+        assert reason == "stop" and not message["tool_calls"]
+        assert message["content"] == "".join(SCRIPTS["call"])
+
+
+def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(server):
+    """The assistant's call and the tool's answer, sent back in the history, reach the prompt as the
+    checkpoint's template writes them (prompt_token_ids: return_token_ids)."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}]},
+               {"role": "tool", "content": "18C and sunny", "tool_call_id": "call_1"}]
+    c = client(server)
+    done = c.chat.completions.create(model=c.models.list().data[0].id, messages=history, tools=TOOLS, max_tokens=4,
+                                     temperature=0, extra_body={"return_token_ids": True})
+    prompt = load_tokenizer(SHIPPED).decode(done.choices[0].prompt_token_ids)
+    assert f"<tool_call>{CALL}</tool_call>" in prompt
+    assert "<tool_response>18C and sunny</tool_response>" in prompt and '"get_weather"' in prompt.split("</tools>")[0]
+    not_an_object = [{"type": "function", "function": {"name": "get_weather", "arguments": "[1]"}}]
+    bad = [history[0], {**history[1], "tool_calls": not_an_object}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.chat.completions.create(model=c.models.list().data[0].id, messages=bad, max_tokens=4)
+    assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+def test_a_reply_cut_anywhere_gives_the_same_parts():
+    """Reasoning with a call in it, text, two calls (one of a known tool, one not), a malformed one:
+    streamed in two pieces cut at every place, the deltas add up to what the whole reply gives."""
+    known = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    reply = (f"<think>\nMaybe <tool_call>{known}</tool_call> later.\n</think>\n\nSure.\n<tool_call>\n{known}\n"
+             '</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>{bad</tool_call>\n')
+
+    def parse(pieces):
+        parser = ReplyParser(ReasoningSplitter(), {"get_weather"})
+        reasoning, content, calls = "", "", []
+        for i, piece in enumerate(pieces):
+            delta = parser.feed(piece, final=i == len(pieces) - 1)
+            reasoning, content = reasoning + delta.reasoning, content + delta.content
+            calls += [(call.index, call.name, call.arguments) for call in delta.calls]
+        return reasoning, content, calls
+
+    whole = parse([reply])
+    assert whole == (f"Maybe <tool_call>{known}</tool_call> later.\n",
+                     'Sure.<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>{bad</tool_call>',
+                     [(0, "get_weather", '{"city": "Paris"}')])
+    for cut in range(1, len(reply)):
+        assert parse([reply[:cut], reply[cut:]]) == whole, cut
