@@ -58,7 +58,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
@@ -68,6 +68,7 @@ from runtime.sampling import sampling_params
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
+from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
 from .streams import EventStream, Outbox, Outputs, event
@@ -98,6 +99,7 @@ class Server:
         think tags (Qwen3's)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.reasoning = reasoning and OPEN in (tokenizer.chat_template or "")
+        self.metrics = Metrics(model_name)
         self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
@@ -220,8 +222,14 @@ class Server:
         the server stops taking requests."""
         if self.refusal is not None:
             raise self.refusal
+        clock = self.metrics.request()
+
+        def on_output(out: Output) -> None:  # the receiving thread
+            clock.output(out)
+            outputs.put(out)
+
         try:
-            seq_id = self.engine.submit(request, outputs.put)
+            seq_id = self.engine.submit(request, on_output)
         except QueueFull as err:
             raise OpenAIError(429, str(err), type_="rate_limit_error", code="queue_full",
                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -424,18 +432,27 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
     async def internal_error(request: Request, err: Exception):
         return OpenAIError(500, f"Internal server error: {type(err).__name__}: {err}", type_="server_error").response()
 
+    async def engine_stats() -> dict:
+        """The engine's numbers (free_blocks, total_blocks, block_size, running, ...), or the
+        OpenAIError (503) that says why there are none."""
+        if server.refusal is not None:
+            raise server.refusal
+        try:
+            return await engine.stats(HEALTH_TIMEOUT_S)
+        except EngineDead as err:
+            raise engine_dead(str(err)) from None
+        except asyncio.TimeoutError:
+            raise OpenAIError(503, f"The engine did not answer within {HEALTH_TIMEOUT_S:g} s (a long step, or "
+                                   "hung)", type_="server_error", code="engine_busy") from None
+
     @app.get("/health")
     async def health():
-        if server.refusal is not None:
-            return server.refusal.response()
-        try:
-            stats = await engine.stats(HEALTH_TIMEOUT_S)  # free_blocks, total_blocks, block_size, running, ...
-        except EngineDead as err:
-            return engine_dead(str(err)).response()
-        except asyncio.TimeoutError:
-            return OpenAIError(503, f"The engine did not answer within {HEALTH_TIMEOUT_S:g} s (a long step, or "
-                                    "hung)", type_="server_error", code="engine_busy").response()
+        stats = await engine_stats()
         return {"status": "ok", **stats, "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(await engine_stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():

@@ -198,6 +198,40 @@ def test_return_token_ids_gives_the_prompts_and_the_replys_tokens(server, refere
     assert "token_ids" not in plain.choices[0].model_extra
 
 
+def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(server):
+    """GET /metrics (Prometheus' text, vLLM's names): two completions, one stopped by max_tokens and
+    one cancelled by its client, move the counters by what they did; the latency histograms count
+    each first token and each gap between tokens; nothing is running once they are done."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        r = httpx.get(f"{server}/metrics", timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {(s.name, s.labels.get("finished_reason", s.labels.get("le"))): s.value
+                for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+    before = scrape()
+    c = client(server)
+    done = c.completions.create(model=NAME, prompt="import os", max_tokens=6, temperature=0,
+                                extra_body={"ignore_eos": True})
+    stream = c.completions.create(model=NAME, prompt="class Parser:", max_tokens=900, temperature=0, stream=True)
+    next(stream)
+    stream.close()
+    wait_until_idle(server, timeout_s=30)
+    after = scrape()
+
+    def moved(name, label=None):
+        return after.get((name, label), 0) - before.get((name, label), 0)
+
+    assert moved("vllm:request_success_total", "length") == 1 and moved("vllm:request_success_total", "abort") == 1
+    generated = moved("vllm:generation_tokens_total")
+    assert generated >= 6 + 1 and moved("vllm:prompt_tokens_total") == done.usage.prompt_tokens + len(
+        load_tokenizer(SHIPPED)("class Parser:", add_special_tokens=False)["input_ids"])
+    assert moved("vllm:time_to_first_token_seconds_count") == 2
+    assert moved("vllm:inter_token_latency_seconds_count") == generated - 2
+    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
+
+
 def test_the_prefix_cache_can_be_turned_off():
     assert load_serve_py().parse_args(["--no-prefix-cache"]).prefix_cache is False
     assert load_serve_py().parse_args([]).prefix_cache is True
