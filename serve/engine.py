@@ -278,22 +278,32 @@ class Engine:
         """Prefill up to prefill_tokens prompt tokens: first the next chunks of sequences admitted
         earlier, oldest first, then waiting sequences, oldest first, admitted while the batch has
         room and the cache has blocks for them (keeping one per running sequence for its next
-        token), each starting after the longest prefix of it that the cache holds."""
+        token), each starting after the longest prefix of it that the cache holds. A sequence whose
+        next uncached block is one that a sequence prefilled in this step computes waits a step,
+        and then finds it cached: a burst of prompts with one system prompt (n choices of one
+        prompt) prefills it once."""
         budget = float(self.prefill_tokens)
         chunks: list[tuple[Sequence, int]] = []
+        computing: set[int] = set()  # the key of the first uncached block of each sequence prefilled now
 
         def take(seq: Sequence) -> None:
             nonlocal budget
             n = steps.chunk_tokens(budget, seq.cached, len(seq.ids) - seq.cached, self.attention_cost)
             budget -= steps.chunk_cost(seq.cached, n, self.attention_cost)
             chunks.append((seq, n))
+            if (key := self._next_key(seq)) is not None:
+                computing.add(key)
 
         for seq in self.running:
             if budget > 0 and seq.prefilling:
                 take(seq)
         while budget > 0 and self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            if seq.unread or not self._admit(seq):  # preempted with a token in flight: once its ids hold it
+            if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
+                break
+            if self.prefix_cache and self._next_key(seq, lookup=True) in computing:
+                break
+            if not self._admit(seq):
                 break
             take(seq)
         # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
@@ -371,6 +381,15 @@ class Engine:
             for block, key in zip(seq.blocks[seq.registered : full], self._keys(seq, full)[seq.registered :]):
                 self.cache.pool.register(block, key)
             seq.registered = full
+
+    def _next_key(self, seq: Sequence, lookup: bool = False) -> int | None:
+        """The key of the sequence's first full prompt block that is not cached (its own registered
+        ones, or with `lookup` the cache's), None if there is none or prefix caching is off."""
+        if not self.prefix_cache:
+            return None
+        keys = self._keys(seq, (len(seq.ids) - 1) // self.cache.block_size)
+        known = len(self.cache.pool.lookup(keys)) if lookup else seq.registered
+        return keys[known] if known < len(keys) else None
 
     def _keys(self, seq: Sequence, n: int) -> list[int]:
         """The keys of the sequence's first n full blocks (computed once: its ids only grow)."""
