@@ -224,11 +224,13 @@ def serve(args: argparse.Namespace) -> None:
     device, dtype = check_model(args)
     engine = None
     try:
-        with signals_held():  # a signal mid-start would leave a child half-sent its start-up data
+        # A signal mid-start would leave a child half-sent its start-up data, and one raised inside
+        # an import was seen lost (the server started anyway): both held to the block's end.
+        with signals_held():
             engine = start_engine(args, device, dtype)
-        from serve.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
+            from serve.server import HTTPServer, create_app  # FastAPI and uvicorn import while the model loads
 
-        tokenizer = tokenizer_of(args)
+            tokenizer = tokenizer_of(args)  # imports too (transformers' lazy modules)
         wait_for_engine(engine, args.model)
         name = args.served_model_name or served_name(args.model, args.checkpoint)
         limits = engine.limits
@@ -254,13 +256,22 @@ def serve(args: argparse.Namespace) -> None:
 def signals_held():
     """SIGINT and SIGTERM held back for the block's length, then delivered: starting the engine
     process writes its start-up data down a pipe, and a Stop raised in the middle of that write
-    would leave the child to die of the half it read, with a traceback on the server's stderr."""
-    signals = {signal.SIGINT, signal.SIGTERM}
+    would leave the child to die of the half it read, with a traceback on the server's stderr.
+    Blocked in this thread (the child inherits the mask) and, since the kernel may hand a signal
+    to another thread whose mask lets it through (then Python runs the handler in this one, at
+    once), caught by a handler that only notes it until the block ends."""
+    signals = (signal.SIGINT, signal.SIGTERM)
+    noted: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda sig, frame: noted.append(sig)) for sig in signals}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)  # one blocked meanwhile is noted now
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if noted and callable(handlers[noted[0]]):
+            handlers[noted[0]](noted[0], None)
 
 
 def say(line: str) -> None:

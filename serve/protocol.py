@@ -3,7 +3,7 @@
 Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
 0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds
 of fields beyond the ones the server implements:
-- defined by OpenAI's API but not implemented here (response_format, logprobs, n > 1, a forced tool call...):
+- defined by OpenAI's API but not implemented here (response_format, logprobs, best_of, a forced tool call...):
   a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
   never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
 - defined by the API and accepted whatever they hold, because they do not change the answer
@@ -47,6 +47,9 @@ class StreamOptions(Strict):
     include_obfuscation: Any = None  # IGNORED: chunks carry no padding field to obfuscate
 
 
+MAX_CHOICES = 64  # n at most: each choice is a sequence in the batch
+
+
 class SamplingFields(Strict):
     """The fields both endpoints share."""
 
@@ -67,7 +70,7 @@ class SamplingFields(Strict):
     # the prompt's ("prompt_token_ids"; a stream's first chunk), so that a client can resend the exact
     # tokens of a reply (a conversation's next turn then finds them in the prefix cache)
     return_token_ids: bool = False
-    n: Any = None  # UNSUPPORTED unless 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each a sequence of its own sharing the prompt's prefill
     frequency_penalty: Any = None
     logit_bias: Any = None
     logprobs: Any = None
@@ -158,7 +161,6 @@ class ChatRequest(SamplingFields):
 # Field -> (the values that ask for nothing, what the server does instead). Each is refused with
 # a 400 naming it when set to anything else.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "one choice per request; send n requests"),
     "best_of": ((1,), "one choice per request"),
     "frequency_penalty": ((0, 0.0), "use presence_penalty or repetition_penalty"),
     "logit_bias": (({},), "no bias on token logits"),

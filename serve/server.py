@@ -47,6 +47,7 @@ Choices made here:
 """
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -65,6 +66,7 @@ from starlette.exceptions import HTTPException
 from runtime.reasoning import OPEN, ReasoningSplitter
 from runtime.sampling import sampling_params
 
+from .choices import Choice
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
@@ -260,124 +262,105 @@ class Server:
                            type_="server_error")
 
     async def run(self, http: Request, request: EngineRequest, fields: SamplingFields,
-                  reply: ReplyParser | None = None):
-        """reply: a chat request's parser (None: a completion)."""
-        chat = reply is not None
-        outputs = Outputs(self.outbox, each=fields.stream)
-        seq_id = self.submit(request, outputs)
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+                  replies: list[ReplyParser] | None = None):
+        """The response to a request of `fields.n` choices, each a sequence of its own (with a seed,
+        choice i's is seed + i) that finds the prompt's blocks the first one prefilled. replies: a
+        chat request's parser per choice (None: a completion)."""
+        chat = replies is not None
         prompt_ids = request.prompt_ids if fields.return_token_ids else None
+        choices: list[Choice] = []
+        try:
+            for i in range(fields.n):
+                seed = None if request.seed is None else (request.seed + i) % 2**63
+                outputs = Outputs(self.outbox, each=fields.stream)
+                seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
+                choices.append(Choice(i, outputs, seq_id, replies[i] if chat else None, prompt_ids))
+        except OpenAIError:  # past the queue bound midway: the choices taken are let go
+            self.close_all(choices)
+            raise
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if fields.stream:
             include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-            return EventStream(self.sse(outputs, rid, include_usage, prompt_ids, reply),
-                               on_close=lambda: self.close(seq_id))
-        watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, seq_id))
-        try:
-            out = await outputs.take()  # the last output, with every one before it: a single wake-up
+            return EventStream(self.sse(choices, rid, include_usage, chat), on_close=lambda: self.close_all(choices))
+        watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, choices))
+        try:  # each choice's last output, with every one before it: a single wake-up each
+            outs = await asyncio.gather(*(c.outputs.take() for c in choices))
         finally:
             watcher.cancel()
-            self.close(seq_id)
-        if (error := self.failure(outputs, out)) is not None:
-            raise error
-        if out.finish_reason == "cancelled":  # its client has left: nobody reads this
+            self.close_all(choices)
+        for choice, out in zip(choices, outs):
+            if (error := self.failure(choice.outputs, out)) is not None:
+                raise error
+        if any(out.finish_reason == "cancelled" for out in outs):  # its client has left: nobody reads this
             return JSONResponse({}, status_code=499)
-        if chat:
-            delta = reply.feed(out.text, final=True)
-            content = (delta.content or None) if delta.calls else delta.content  # OpenAI's: null beside calls
-            message = {"role": "assistant", "content": content}
-            if reply.splitter is not None:
-                message["reasoning_content"] = delta.reasoning or None
-            if delta.calls:
-                message["tool_calls"] = [call.as_dict() for call in delta.calls]
-            choice = {"index": 0, "message": message, "logprobs": None,
-                      "finish_reason": finish_reason(out.finish_reason, delta.calls)}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        if prompt_ids is not None:
-            choice |= {"token_ids": out.token_ids, "prompt_token_ids": prompt_ids}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-                             "usage": self.usage(out)})
+                             "created": int(time.time()), "model": self.model_name,
+                             "choices": [c.whole(out) for c, out in zip(choices, outs)], "usage": self.usage(outs)})
 
-    async def cancel_on_disconnect(self, http: Request, seq_id: int) -> None:
+    def close_all(self, choices: list[Choice]) -> None:
+        for choice in choices:
+            self.close(choice.seq_id)
+
+    async def cancel_on_disconnect(self, http: Request, choices: list[Choice]) -> None:
         """Once the client has gone (the ASGI http.disconnect message, which the server sends when the
-        connection closes), cancel its sequence: the engine frees its blocks at its next step."""
+        connection closes), cancel its sequences: the engine frees their blocks at its next step."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
-        self.engine.cancel(seq_id)
+        for choice in choices:
+            self.engine.cancel(choice.seq_id)
 
     @staticmethod
-    def usage(out: Output) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}
+    def usage(outs: list[Output]) -> dict:
+        """The prompt once, the tokens of every choice."""
+        prompt, completion = outs[0].prompt_tokens, sum(out.completion_tokens for out in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def sse(self, outputs: Outputs, rid: str, include_usage: bool, prompt_ids: list[int] | None,
-                  reply: ReplyParser | None):
-        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a request the
-        server ends (a shutdown, the engine's death) ends with an event {"error": {...}}, which the
-        openai client raises as an APIError. If the client goes away, Starlette cancels this
-        generator at its await, and EventStream's on_close cancels the sequence. prompt_ids: the
-        request asked for token ids (return_token_ids): each chunk carries its own, the first the
-        prompt's too. reply: a chat reply's parser (None: a completion): its reasoning goes to
-        delta.reasoning_content, its tool calls to delta.tool_calls, a whole call in one delta."""
-        chat = reply is not None
-        called = False  # a tool call was sent: the finish reason is tool_calls
+    async def sse(self, choices: list[Choice], rid: str, include_usage: bool, chat: bool):
+        """Server-sent events in OpenAI's chunk format, each chunk one choice's news (its index), ending
+        with `data: [DONE]`; a request the server ends (a shutdown, the engine's death) ends with an
+        event {"error": {...}}, which the openai client raises as an APIError. If the client goes
+        away, Starlette cancels this generator at its await, and EventStream's on_close cancels the
+        sequences. A chat reply's reasoning goes to delta.reasoning_content, its tool calls to
+        delta.tool_calls, a whole call in one delta (Choice.delta)."""
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        first = True
-
-        def chunk(text: str | None, reason: str | None, role: bool = False, usage=None, tokens=(),
-                  final: bool = False) -> str:
-            nonlocal first, called
-            if chat:
-                if role or usage:
-                    delta = {"role": "assistant", "content": ""} if role else {}
-                else:
-                    parsed = reply.feed(text or "", final)
-                    delta = {"content": parsed.content} if parsed.content else {}
-                    if parsed.reasoning:
-                        delta["reasoning_content"] = parsed.reasoning
-                    if parsed.calls:
-                        delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
-                        called = True
-                reason = finish_reason(reason, [True] if called else [])
-                choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
-            else:
-                choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
-            if prompt_ids is not None and not usage:
-                choices[0]["token_ids"] = list(tokens)
-                if first:
-                    choices[0]["prompt_token_ids"] = prompt_ids
-            first = first and bool(usage)
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
             body = {"id": rid, "object": kind, "created": created, "model": self.model_name,
-                    "choices": [] if usage else choices}
+                    "choices": [choice] if choice else []}
             if usage:
                 body["usage"] = usage
             return event(body)
 
         if chat:
-            yield chunk(None, None, role=True)
-        while True:
-            out = await outputs.take()  # what arrived since the last chunk: a token, or more under load
-            if (error := self.failure(outputs, out)) is not None:
-                if out.text:
-                    yield chunk(out.text, None, tokens=out.token_ids, final=True)
-                yield event(error.body())
-                break
-            if out.finish_reason == "cancelled":  # its client has left
-                return
-            yield chunk(out.text, out.finish_reason, tokens=out.token_ids, final=out.finish_reason is not None)
-            if out.finish_reason:
-                if include_usage:
-                    yield chunk(None, None, usage=self.usage(out))
-                break
+            for c in choices:
+                yield chunk(c.role())
+        waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
+        last: list[Output] = []
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in sorted(done, key=lambda t: waiting[t].index):
+                    c, out = waiting.pop(task), task.result()  # what arrived since its last chunk
+                    if (error := self.failure(c.outputs, out)) is not None:
+                        if out.text:
+                            yield chunk(c.delta(out, final=True))
+                        yield event(error.body())
+                        yield "data: [DONE]\n\n"
+                        return
+                    if out.finish_reason == "cancelled":  # its client has left
+                        return
+                    yield chunk(c.delta(out))
+                    if out.finish_reason is None:
+                        waiting[asyncio.ensure_future(c.outputs.take())] = c
+                    else:
+                        last.append(out)
+        finally:
+            for task in waiting:
+                task.cancel()
+        if include_usage:
+            yield chunk(None, usage=self.usage(last))
         yield "data: [DONE]\n\n"
-
-
-def finish_reason(reason: str | None, calls: list) -> str | None:
-    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do."""
-    return "tool_calls" if reason == "stop" and calls else reason
 
 
 def json_object(arguments: str, where: str) -> dict:
@@ -475,7 +458,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
-        return await server.run(request, engine_request, req, server.reply_parser(req, ids))
+        return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
 
     return app
 

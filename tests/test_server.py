@@ -232,6 +232,36 @@ def test_metrics_count_requests_tokens_and_latencies_in_prometheus_format(server
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
 
 
+def test_n_choices_are_each_a_sequence_sharing_one_prefill(server, reference):
+    """n 3: three choices, each the model's greedy text; with a seed, choice i is what the request
+    alone gives with seed + i; the prompt is prefilled once (its later choices find its blocks);
+    streamed, each index's pieces add up to its whole choice; n 0 and n 65 are 400s naming n."""
+    c = client(server)
+    prompt = "def read_config(path):\n    " * 3
+    ids = reference.ids(prompt)
+    before = health(server)["prefix_cache"]["hit_tokens"]
+    done = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, n=3)
+    assert [choice.index for choice in done.choices] == [0, 1, 2]
+    assert [choice.text for choice in done.choices] == [reference.text(ids, 8)] * 3
+    one = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0).usage
+    assert done.usage.prompt_tokens == one.prompt_tokens == len(ids)
+    assert done.usage.completion_tokens == 3 * one.completion_tokens
+    block = health(server)["block_size"]
+    assert health(server)["prefix_cache"]["hit_tokens"] - before >= 2 * block * ((len(ids) - 1) // block)
+    sampled = dict(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    three = [choice.text for choice in c.completions.create(n=3, **sampled).choices]
+    alone = [c.completions.create(**{**sampled, "seed": 7 + i}).choices[0].text for i in range(3)]
+    assert three == alone and len(set(three)) > 1
+    pieces = ["", ""]
+    for chunk in c.completions.create(n=2, stream=True, **sampled):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+    assert pieces == alone[:2]
+    for n in (0, 65):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "n": n}, timeout=30)
+        assert r.status_code == 400 and error_of(r)["param"] == "n", r.text
+
+
 def test_the_prefix_cache_can_be_turned_off():
     assert load_serve_py().parse_args(["--no-prefix-cache"]).prefix_cache is False
     assert load_serve_py().parse_args([]).prefix_cache is True
@@ -274,8 +304,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
     with pytest.raises(openai.NotFoundError) as err:
         c.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     assert err.value.status_code == 404 and "gpt-5" in str(err.value)
-    with pytest.raises(openai.BadRequestError, match="'n' is not supported by this server: one choice per request"):
-        c.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="'best_of' is not supported by this server: one choice per"):
+        c.completions.create(model=NAME, prompt="x", max_tokens=2, best_of=2)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)
     assert c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens >= 1

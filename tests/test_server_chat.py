@@ -239,6 +239,23 @@ def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(
     assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
+def test_n_chat_choices_each_take_their_reply_apart(server):
+    """n 2, streamed and not: each choice has the reasoning, the answer and the tool call apart."""
+    c = client(server)
+    kwargs = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "Weather?"}],
+                  temperature=0, max_tokens=64, n=2, tools=TOOLS,
+                  extra_body={"chat_template_kwargs": {"script": "call"}})
+    whole = c.chat.completions.create(**kwargs).choices
+    assert [(ch.index, ch.message.content, ch.finish_reason) for ch in whole] == [
+        (i, "I will check the weather.", "tool_calls") for i in range(2)]
+    content, calls = ["", ""], [[], []]
+    for chunk in c.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            content[ch.index] += ch.delta.content or ""
+            calls[ch.index] += [call.function.name for call in ch.delta.tool_calls or []]
+    assert content == ["I will check the weather."] * 2 and calls == [["get_weather"]] * 2
+
+
 def test_a_reply_cut_anywhere_gives_the_same_parts():
     """Reasoning with a call in it, text, two calls (one of a known tool, one not), a malformed one:
     streamed in two pieces cut at every place, the deltas add up to what the whole reply gives."""

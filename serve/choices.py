@@ -1,0 +1,72 @@
+"""One choice of a response (a request asks for `n`): its sequence in the engine, its outputs, and
+how they are written in OpenAI's shapes, whole (`message` / `text`) or as a stream's deltas."""
+
+from dataclasses import dataclass
+
+from .reply import ReplyParser
+from .request import Output
+from .streams import Outputs
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and called else reason
+
+
+@dataclass
+class Choice:
+    index: int
+    outputs: Outputs
+    seq_id: int
+    reply: ReplyParser | None  # a chat reply's parser; None: a completion
+    prompt_ids: list[int] | None  # return_token_ids: the prompt's ids, in the first chunk or the choice
+    called: bool = False  # a tool call was sent
+    first: bool = True  # no chunk sent yet
+
+    def whole(self, out: Output) -> dict:
+        """The choice of a response that is not streamed, from its last output (every one merged)."""
+        if self.reply is not None:
+            delta = self.reply.feed(out.text, final=True)
+            content = (delta.content or None) if delta.calls else delta.content  # OpenAI's: null beside calls
+            message = {"role": "assistant", "content": content}
+            if self.reply.splitter is not None:
+                message["reasoning_content"] = delta.reasoning or None
+            if delta.calls:
+                message["tool_calls"] = [call.as_dict() for call in delta.calls]
+            choice = {"index": self.index, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason(out.finish_reason, bool(delta.calls))}
+        else:
+            choice = {"index": self.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        if self.prompt_ids is not None:
+            choice |= {"token_ids": out.token_ids, "prompt_token_ids": self.prompt_ids}
+        return choice
+
+    def role(self) -> dict:
+        """A chat stream's first chunk of this choice: the assistant's role."""
+        return self.ids({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}, ())
+
+    def delta(self, out: Output, final: bool | None = None) -> dict:
+        """A stream chunk's choice for what arrived since the last one. final: the reply ends here
+        (default: when out has a finish reason); held-back text is let go."""
+        final = out.finish_reason is not None if final is None else final
+        if self.reply is None:
+            return self.ids({"index": self.index, "text": out.text, "logprobs": None,
+                             "finish_reason": out.finish_reason}, out.token_ids)
+        parsed = self.reply.feed(out.text, final)
+        delta = {"content": parsed.content} if parsed.content else {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
+            self.called = True
+        return self.ids({"index": self.index, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason(out.finish_reason, self.called)}, out.token_ids)
+
+    def ids(self, choice: dict, tokens) -> dict:
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(tokens)
+            if self.first:
+                choice["prompt_token_ids"] = self.prompt_ids
+        self.first = False
+        return choice
