@@ -2,14 +2,14 @@
 
 Blocks are counted by reference, so that sequences can share the blocks of a common prefix. A
 full block can be registered under its key: the hash chain of its tokens and every token before
-it (key = hash((key of the block before, its tokens)); the first block's "before" is None), as
-vLLM and nano-vllm identify blocks. A later prompt that starts with the same tokens finds those
+it (key = SHA-256 of (the key of the block before, its tokens); the first block's "before" is
+empty), as vLLM and nano-vllm identify blocks. A later prompt that starts with the same tokens finds those
 blocks (`lookup`) and skips their prefill. Why a hash chain and not a radix tree: a block is
 found by one dict lookup per block of the prompt, its key is built from the prompt alone, and
 eviction is a queue of blocks, not a walk of a tree; what a tree adds (sharing partial blocks)
-is worth less than a block of recomputed prefill. The dict compares the keys themselves (the
-parent's key and the tokens), so two prefixes share a block only if the block's tokens are equal
-and the parents' keys are: a false hit needs a 64-bit collision of a whole chain.
+is worth less than a block of recomputed prefill. A cryptographic hash, not Python's 64-bit
+hash(): a false hit (another prompt's keys and values read as this one's) needs a SHA-256
+collision, not a 64-bit one, which a server's clients could craft.
 
 A block with no owner is free. A registered one stays registered once free ("cached"): it can be
 found again until a new block is needed and none is free unregistered; then the cached block
@@ -21,17 +21,20 @@ Owners never write into a registered block: keys are registered only for blocks 
 all written, and a sequence that reuses blocks writes its new tokens into blocks of its own.
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 
 def block_keys(tokens: Sequence[int], block_size: int, n_blocks: int, first: int = 0,
-               before: int | None = None) -> list[int]:
+               before: bytes = b"") -> list[bytes]:
     """The keys of blocks first .. n_blocks - 1 of a sequence of tokens (each a full block of
-    block_size tokens); before: the key of block first - 1 (None for the first block)."""
+    block_size tokens); before: the key of block first - 1 (empty for the first block)."""
     keys = []
     for i in range(first, n_blocks):
-        before = hash((before, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        block = array("q", tokens[i * block_size : (i + 1) * block_size])
+        before = hashlib.sha256(before + block.tobytes()).digest()
         keys.append(before)
     return keys
 
@@ -43,8 +46,8 @@ class BlockPool:
         self.n_blocks = n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))  # a stack: the block freed last is reused first
         self._owners = [0] * n_blocks
-        self._key_of: list[int | None] = [None] * n_blocks
-        self._block_of: dict[int, int] = {}  # key -> its registered block
+        self._key_of: list[bytes | None] = [None] * n_blocks
+        self._block_of: dict[bytes, int] = {}  # key -> its registered block
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered blocks with no owner, oldest first
 
     @property
@@ -78,7 +81,7 @@ class BlockPool:
             taken.append(block)
         return taken
 
-    def lookup(self, keys: Sequence[int]) -> list[int]:
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """The registered blocks of the longest run of keys from the first (nothing is taken)."""
         blocks = []
         for key in keys:
@@ -101,7 +104,7 @@ class BlockPool:
                 del self._cached[block]
             self._owners[block] += 1
 
-    def register(self, block: int, key: int) -> None:
+    def register(self, block: int, key: bytes) -> None:
         """Name an owned block, whose tokens are all written, by its key. A key that names another
         block already (the same prefix prefilled twice at once) keeps that one."""
         if self._owners[block] == 0:

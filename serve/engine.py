@@ -284,7 +284,7 @@ class Engine:
         prompt) prefills it once."""
         budget = float(self.prefill_tokens)
         chunks: list[tuple[Sequence, int]] = []
-        computing: set[int] = set()  # the key of the first uncached block of each sequence prefilled now
+        computing: set[bytes] = set()  # the key of the first uncached block of each sequence prefilled now
 
         def take(seq: Sequence) -> None:
             nonlocal budget
@@ -382,7 +382,7 @@ class Engine:
                 self.cache.pool.register(block, key)
             seq.registered = full
 
-    def _next_key(self, seq: Sequence, lookup: bool = False) -> int | None:
+    def _next_key(self, seq: Sequence, lookup: bool = False) -> bytes | None:
         """The key of the sequence's first full prompt block that is not cached (its own registered
         ones, or with `lookup` the cache's), None if there is none or prefix caching is off."""
         if not self.prefix_cache:
@@ -391,10 +391,10 @@ class Engine:
         known = len(self.cache.pool.lookup(keys)) if lookup else seq.registered
         return keys[known] if known < len(keys) else None
 
-    def _keys(self, seq: Sequence, n: int) -> list[int]:
+    def _keys(self, seq: Sequence, n: int) -> list[bytes]:
         """The keys of the sequence's first n full blocks (computed once: its ids only grow)."""
         if n > len(seq.keys):
-            before = seq.keys[-1] if seq.keys else None
+            before = seq.keys[-1] if seq.keys else b""
             seq.keys += block_keys(seq.ids, self.cache.block_size, n, len(seq.keys), before)
         return seq.keys[:n]
 

@@ -37,7 +37,8 @@ class Metrics:
                               labels, registry=r)
         self.finished = Counter("vllm:request_success", "Finished requests, by how they finished",
                                 [*labels, "finished_reason"], registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests (n choices: n times)",
+                                     labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)

@@ -100,6 +100,7 @@ class MessageToolCall(Strict):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # a streamed call's place, kept by clients that gather the chunks
 
 
 class Message(Strict):
@@ -108,9 +109,15 @@ class Message(Strict):
     name: Any = None  # UNSUPPORTED unless null: the chat template shows no names
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant reply's reasoning, sent back in the history as this server returned it (or under
+    # the shorter name `reasoning`): handed to the chat template, which Qwen3's show only for the
+    # replies after the last user message (a tool-calling turn's reasoning), as they were generated.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
+    annotations: Any = None  # UNSUPPORTED unless null: a reply's (this server gives none) sent back
 
 
 class FunctionDefinition(Strict):
@@ -182,13 +189,17 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "store": ((False,), "completions are not stored"),
     "name": ((), "the chat template shows no participant names"),
     "refusal": ((), "the chat template has no refusals"),
+    "annotations": ((), "the chat template has no annotations"),
 }
 
 
 def short(value: Any, limit: int = 80) -> str:
     """The value as JSON (what the client sent: true, not True), cut to `limit` characters: an error
     quotes a long prompt's start only."""
-    text = json.dumps(value, default=repr)
+    def plain(v: Any) -> Any:  # a parsed part of the request as it was sent
+        return v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else repr(v)
+
+    text = json.dumps(value, default=plain)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -51,6 +51,7 @@ class ReplyParser:
         self.space = ""  # whitespace at the end of the content so far: content only if text follows
         self.n_calls = 0
         self.after_call = False  # the last thing seen was a call: whitespace after it is not content
+        self.said = False  # some content has been given
 
     def feed(self, text: str, final: bool = False) -> Delta:
         parts = [(Part.ANSWER, text)] if self.splitter is None else self.splitter.feed(text)
@@ -86,16 +87,19 @@ class ReplyParser:
         return delta
 
     def text(self, delta: Delta, text: str) -> None:
-        """Content, but for whitespace that ends it (held until text follows) or begins it after a call."""
+        """Content, but for whitespace that ends it (held until text follows) or begins it after a
+        call; text on both sides of a call is kept apart by one newline, where the call stood."""
         if self.after_call:
             text = text.lstrip()
             if not text:
                 return
             self.after_call = False
+            self.space = "\n" if self.said else ""
         body = text.rstrip()
         if body:
             delta.content += self.space + body
             self.space = text[len(body) :]
+            self.said = True
         else:
             self.space += text
 

@@ -25,7 +25,7 @@ class Sequence:
     sent: int = 0  # characters of text already handed out
     finish_reason: str | None = None
     unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
-    keys: list[int] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
+    keys: list[bytes] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
     registered: int = 0  # of its blocks, the first this many are registered (prefix caching)
 
     def __post_init__(self) -> None:

@@ -200,6 +200,8 @@ class Server:
                     for j, call in enumerate(m.tool_calls)]
             if m.tool_call_id is not None:
                 message["tool_call_id"] = m.tool_call_id
+            if (reasoning := m.reasoning_content if m.reasoning_content is not None else m.reasoning) is not None:
+                message["reasoning_content"] = reasoning
             messages.append(message)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         try:
@@ -267,6 +269,11 @@ class Server:
         choice i's is seed + i) that finds the prompt's blocks the first one prefilled. replies: a
         chat request's parser per choice (None: a completion)."""
         chat = replies is not None
+        room = self.engine.max_batch + self.engine.max_waiting
+        if fields.n > room:  # never all taken at once: a 429 would say "later" forever
+            raise OpenAIError(400, f"n is {fields.n}, but this server holds {room} requests at once "
+                              f"(--max-batch {self.engine.max_batch} + --max-waiting {self.engine.max_waiting})",
+                              param="n")
         prompt_ids = request.prompt_ids if fields.return_token_ids else None
         choices: list[Choice] = []
         try:

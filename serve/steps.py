@@ -93,8 +93,8 @@ class DecodeStep:
 def attention_cost(config) -> float:
     """What one query's attention to one earlier key costs, in tokens' worth of the layers' matrix
     products (arithmetic only, per token: 2 flops per weight; per key: q.k and p.v, 2 x 2 flops
-    per head and dimension). Qwen3-0.6B: 1 / 3,900 (a token 32k keys deep costs 9 tokens' worth);
-    8B: 1 / 24,000 (2.4)."""
+    per head and dimension). Qwen3-0.6B: 1 / 3,840 (a token 32k keys deep costs 8.5 tokens' worth);
+    8B: 1 / 23,552 (1.4)."""
     c = config
     H, K, hd, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
     mlp = 3 * D * (c.num_experts_per_tok * c.moe_intermediate_size if c.num_experts else c.intermediate_size)

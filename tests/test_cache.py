@@ -81,10 +81,11 @@ def test_registered_blocks_stay_cached_and_are_evicted_least_recently_freed_firs
     keys = block_keys(tokens, 4, 2)
     assert keys == block_keys(tokens[:8] + [99], 4, 2)  # the same first two blocks: the same keys
     assert keys[1] != block_keys([7] + tokens[1:], 4, 2)[1]  # one earlier token differs: the chain does
+    assert block_keys(tokens, 4, 2, first=1, before=keys[0]) == keys[1:]  # a chain continued
     first = pool.allocate(2)
     for block, key in zip(first, keys):
         pool.register(block, key)
-    assert pool.lookup(keys) == first and pool.lookup([7] + keys) == []  # a run from the first key only
+    assert pool.lookup(keys) == first and pool.lookup([b"other"] + keys) == []  # a run from the first key only
     pool.release(first)
     assert pool.counts() == (2, 2, 0) and pool.num_free == 4 and pool.lookup(keys) == first
     pool.share(first[:1])  # a later prompt reuses the first block: it is in use again
@@ -95,7 +96,7 @@ def test_registered_blocks_stay_cached_and_are_evicted_least_recently_freed_firs
     pool.release(other + first[:1])
     assert pool.counts() == (3, 1, 0)
     with pytest.raises(RuntimeError, match="no owner"):
-        pool.register(other[0], 123)
+        pool.register(other[0], b"other")
 
 
 def test_a_key_registered_twice_keeps_its_first_block():
@@ -103,9 +104,9 @@ def test_a_key_registered_twice_keeps_its_first_block():
     and is freed, not cached, when its sequence ends."""
     pool = BlockPool(3)
     a, b = pool.allocate(2)
-    pool.register(a, 5)
-    pool.register(b, 5)
-    assert pool.lookup([5]) == [a]
+    pool.register(a, b"k")
+    pool.register(b, b"k")
+    assert pool.lookup([b"k"]) == [a]
     pool.release([a, b])
     assert pool.counts() == (2, 1, 0)
 

@@ -31,7 +31,9 @@ TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>' + message.content + '</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.reasoning_content %}{{- '<think>' + message.reasoning_content + '</think>' }}{%- endif %}"
+    "{{- message.content }}"
     "{%- for call in message.tool_calls or [] %}"
     "{{- '<tool_call>' + ({'name': call.function.name, 'arguments': call.function.arguments} | tojson)"
     " + '</tool_call>' }}"
@@ -239,6 +241,42 @@ def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(
     assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
 
+def test_a_reply_sent_back_as_clients_send_it_continues_the_conversation(server, checkpoint):
+    """What agents do: the reply itself (the client's message object, its model_dump() with every
+    field null or not, or a streamed reply's calls gathered with their index) appended to the
+    history with the tool's answer: accepted, and the call rendered by the template."""
+    c = client(server)
+    kwargs = dict(model=c.models.list().data[0].id, tools=TOOLS, temperature=0, max_tokens=4,
+                  extra_body={"return_token_ids": True})
+    user = {"role": "user", "content": "Weather in Paris?"}
+    done = c.chat.completions.create(messages=[user], max_tokens=64, tools=TOOLS, model=kwargs["model"],
+                                     temperature=0, extra_body={"chat_template_kwargs": {"script": "call"}})
+    reply = done.choices[0].message
+    (call,) = reply.tool_calls
+    streamed = {"role": "assistant", "content": reply.content, "reasoning_content": None,
+                "tool_calls": [{"index": 0, **call.model_dump()}]}
+    for sent in (reply, reply.model_dump(), streamed):
+        answer = {"role": "tool", "content": "18C", "tool_call_id": call.id}
+        again = c.chat.completions.create(messages=[user, sent, answer], **kwargs)
+        prompt = load_tokenizer(checkpoint).decode(again.choices[0].prompt_token_ids)  # the reply's own tokens
+        assert f"I will check the weather.<tool_call>{CALL}</tool_call>" in prompt, sent
+
+
+def test_the_reasoning_sent_back_reaches_the_template(server, checkpoint):
+    """An assistant message's reasoning_content (or reasoning, its shorter name) in the history is
+    handed to the chat template, which decides where to show it (Qwen3's: after the last user
+    message, in a tool-calling turn); this test's template always shows it."""
+    c = client(server)
+    for name in ("reasoning_content", "reasoning"):
+        history = [{"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": "Hello", name: "I should greet."},
+                   {"role": "user", "content": "Bye"}]
+        done = c.chat.completions.create(model=c.models.list().data[0].id, messages=history, max_tokens=4,
+                                         temperature=0, extra_body={"return_token_ids": True})
+        prompt = load_tokenizer(checkpoint).decode(done.choices[0].prompt_token_ids)  # its think tags
+        assert "assistant\n<think>I should greet.</think>Hello" in prompt, name
+
+
 def test_n_chat_choices_each_take_their_reply_apart(server):
     """n 2, streamed and not: each choice has the reasoning, the answer and the tool call apart."""
     c = client(server)
@@ -274,7 +312,7 @@ def test_a_reply_cut_anywhere_gives_the_same_parts():
 
     whole = parse([reply])
     assert whole == (f"Maybe <tool_call>{known}</tool_call> later.\n",
-                     'Sure.<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>{bad</tool_call>',
+                     'Sure.\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>{bad</tool_call>',
                      [(0, "get_weather", '{"city": "Paris"}')])
     for cut in range(1, len(reply)):
         assert parse([reply[:cut], reply[cut:]]) == whole, cut

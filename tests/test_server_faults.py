@@ -178,6 +178,23 @@ def test_a_field_the_server_does_not_implement_is_a_400_naming_it(server, refere
     assert_still_serving(server, reference)
 
 
+def test_a_field_refused_is_quoted_as_it_was_sent(server):
+    choice = {"type": "function", "function": {"name": "now"}}
+    r = httpx.post(f"{server}{CHAT}", json=request_body(CHAT, {"tools": [TOOL], "tool_choice": choice}), timeout=30)
+    assert error_of(r)["message"].endswith(f"got {json.dumps(choice)}"), r.text
+
+
+def test_more_choices_than_the_server_holds_at_once_is_a_400_naming_n(server, reference):
+    """n past --max-batch + --max-waiting could never be taken whole: not a 429 (try later), a 400."""
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": MAX_BATCH + MAX_WAITING + 1},
+                   timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "n" and "--max-batch" in error_of(r)["message"], r.text
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": MAX_BATCH + MAX_WAITING},
+                   timeout=30)
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_BATCH + MAX_WAITING, r.text
+    assert_still_serving(server, reference)
+
+
 @pytest.mark.parametrize("endpoint, fields, param", UNRECOGNIZED, ids=[f"{e[-16:]}-{p}" for e, _, p in UNRECOGNIZED])
 def test_a_field_not_in_the_api_is_a_400_naming_it(server, endpoint, fields, param):
     r = httpx.post(f"{server}{endpoint}", json=request_body(endpoint, fields), timeout=30)
