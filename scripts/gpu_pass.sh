@@ -3,6 +3,7 @@
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
 #                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [scenarios] [engine] [tp]
+#                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log,
@@ -27,6 +28,9 @@
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
 # scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
 #        off, then long prompts (16k, 32k) among 64 streams, into OUT/scenarios-*.json (about 4 minutes).
+# extend-attention: scripts/bench_extend_attention.py: the paged chunk-attention kernel's tile configurations
+#        (EXTEND_CONFIGS="rows,keys,warps,stages ...") against SDPA at 4k-32k, 0.6B and 8B heads (about 2 minutes).
+# long-prompts, long-prompts-8b, multi-turn-8b: one scenario of bench_scenarios.py at that config.
 # engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
 #        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
 #        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
@@ -101,6 +105,19 @@ for stage in $stages; do
       timeout 150 python scripts/bench_scenarios.py --config 0.6b --scenario long_prompts ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/scenarios-long.json" >> "$out/scenarios.log" 2>&1
       grep '^{' "$out/scenarios.log" ;;
+    extend-attention)
+      timeout 300 python scripts/bench_extend_attention.py ${EXTEND_CONFIGS:+--configs $EXTEND_CONFIGS} \
+        --json "$out/extend-attention.json" > "$out/extend-attention.log" 2>&1
+      cat "$out/extend-attention.log" ;;
+    long-prompts|long-prompts-8b)
+      config=$([ "$stage" = long-prompts ] && echo 0.6b || echo 8b)
+      timeout 300 python scripts/bench_scenarios.py --config "$config" --scenario long_prompts ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/scenarios-long-$config.json" >> "$out/scenarios.log" 2>&1
+      grep '^{' "$out/scenarios.log" | tail -n 4 ;;
+    multi-turn-8b)
+      timeout 300 python scripts/bench_scenarios.py --config 8b --scenario multi_turn ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/scenarios-multi-turn-8b.json" >> "$out/scenarios.log" 2>&1
+      grep '^{' "$out/scenarios.log" | tail -n 4 ;;
     engine)
       timeout 400 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 --temperature 0 0.6 1 \
         --top-p 1 0.95 0.95 --top-k 0 20 0 > "$out/engine.log" 2>&1

@@ -14,7 +14,8 @@ Programs: one per (tile of BLOCK_Q new tokens of one sequence, key/value head); 
 the tile's tokens x the H / K query heads that share that key/value head (row r: token r // GROUP_P,
 head r % GROUP_P, the group padded to a power of two), so each key tile is read once for the
 whole group, and a tile of one token (a decode step in the batch) still fills rows with heads.
-A program reads keys only up to its last token's position: the work is the causal half.
+A program reads keys only up to its last token's position: the work is the causal half; and masks
+only its last steps, the keys past its first token's position.
 
 Tiles are numbered without reading anything back to the host (a CUDA graph can capture the call):
 sequence s's tiles start at number cu_seqlens[s] // BLOCK_Q + s, which leaves room for its
@@ -32,18 +33,50 @@ from ..triton_helpers import dot, round_to, use_pdl, wait_for_prior_kernels
 
 __all__ = ["extend_attention"]
 
-# Matrix rows per program (tokens x heads of a group): 64 rows and 64 keys a step are FlashAttention-2's
-# tile for head_dim 128 in 16 bits, which fits two pipeline stages in shared memory. Not tuned.
+# Matrix rows per program (tokens x heads of a group) and keys per inner step, with the warps and
+# pipeline stages that run them: FlashAttention-2's tile for head_dim 128 in 16 bits on Hopper.
 ROWS = 64
 BLOCK_N = 64
+WARPS = 4
 STAGES = 2
 MIN_DOT = 16  # tl.dot's smallest tile side: a tile has at least 16 rows
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the scale folds it in, exp2 is one instruction
+
+
+@triton.jit
+def _attend(acc, m, denom, q, K, V, block_row, n0, end, pos, kv, d, d_ok, scale2,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, CAUSAL: tl.constexpr):
+    """One step of the online softmax over keys n0 .. n0 + BLOCK_N (in base 2: scale2 holds log2 e).
+    CAUSAL: the step holds keys past some row's position, or past `end`: masked; else every row sees
+    every key of the step, and nothing is masked but the head dimension's padding."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    if CAUSAL:
+        n_ok = n < end
+        block = tl.load(block_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+    else:
+        block = tl.load(block_row + n // PAGE).to(tl.int64)
+        kv_mask = d_ok[None, :]
+    k = tl.load(K + (block * stride_kb + (n % PAGE) * stride_ks + kv * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    scores = dot(q, tl.trans(k), FP32) * scale2
+    if CAUSAL:  # a row sees keys up to its position; key 0 is in every row's first step, so m is finite after it
+        scores = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    v = tl.load(V + (block * stride_vb + (n % PAGE) * stride_vs + kv * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + dot(round_to(p, v.dtype), v, FP32)
+    return acc, m_new, denom
 
 
 @triton.jit
 def _extend_kernel(
     Q, K, V, OUT, CU_SEQLENS, SEQ_LENS, BLOCK_TABLE,
-    scale, n_seqs, max_len, stride_qn, stride_qh, stride_on, stride_oh,
+    scale2, n_seqs, max_len, stride_qn, stride_qh, stride_on, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     HD: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr,
@@ -67,8 +100,10 @@ def _extend_kernel(
         return
     seq_len = tl.load(SEQ_LENS + s)
     first = seq_len - q_len  # position of new token 0
-    # Keys the tile reads: up to its last token's position (never past the table's capacity).
+    # Keys the tile reads: up to its last token's position (never past the table's capacity); the
+    # keys before its first token's position are seen by every row: whole steps of those unmasked.
     end = tl.minimum(first + tl.minimum(q0 + BLOCK_Q, q_len), max_len)
+    open_end = tl.minimum(first + q0, end) // BLOCK_N * BLOCK_N
 
     r = tl.arange(0, BLOCK_Q * GROUP_P)
     token = q0 + r // GROUP_P
@@ -83,24 +118,15 @@ def _extend_kernel(
     m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_HD], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < end
-        block = tl.load(BLOCK_TABLE + s * stride_table + n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + (block * stride_kb + (n % PAGE) * stride_ks + kv * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        scores = dot(q, tl.trans(k), FP32) * scale
-        # Causal: a row sees keys up to its position; key 0 is in every row's first step, so m is finite after it.
-        scores = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + (block * stride_vb + (n % PAGE) * stride_vs + kv * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(round_to(p, v.dtype), v, FP32)
-        m = m_new
+    block_row = BLOCK_TABLE + s * stride_table
+    for n0 in range(0, open_end, BLOCK_N):
+        acc, m, denom = _attend(acc, m, denom, q, K, V, block_row, n0, end, pos, kv, d, d_ok, scale2,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                PAGE, BLOCK_N, FP32, False)
+    for n0 in range(open_end, end, BLOCK_N):
+        acc, m, denom = _attend(acc, m, denom, q, K, V, block_row, n0, end, pos, kv, d, d_ok, scale2,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                PAGE, BLOCK_N, FP32, True)
     out = acc / denom[:, None]
     tl.store(OUT + row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :],
              round_to(out, OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -129,11 +155,11 @@ def _extend_attention_op(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torc
     pdl = use_pdl(q.device)
     _extend_kernel[(triton.cdiv(N, block_q) + S, K)](
         q, k_blocks, v_blocks, out, cu_seqlens, seq_lens, block_table,
-        scale, S, block_table.shape[1] * page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, S, block_table.shape[1] * page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *k_blocks.stride()[:3], *v_blocks.stride()[:3], block_table.stride(0),
         PAGE=page, GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q,
         HD=hd, BLOCK_HD=max(MIN_DOT, triton.next_power_of_2(hd)), BLOCK_N=BLOCK_N,
-        FP32=q.dtype == torch.float32, PDL=pdl, num_warps=4, num_stages=STAGES, launch_pdl=pdl,
+        FP32=q.dtype == torch.float32, PDL=pdl, num_warps=WARPS, num_stages=STAGES, launch_pdl=pdl,
     )
     return out
 
