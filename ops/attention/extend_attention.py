@@ -34,11 +34,13 @@ from ..triton_helpers import dot, round_to, use_pdl, wait_for_prior_kernels
 __all__ = ["extend_attention"]
 
 # Matrix rows per program (tokens x heads of a group) and keys per inner step, with the warps and
-# pipeline stages that run them: FlashAttention-2's tile for head_dim 128 in 16 bits on Hopper.
+# pipeline stages that run them: FlashAttention-2's tile for head_dim 128 in 16 bits, with three
+# stages, the fastest of eight settings on an H200 at 4k-32k keys, 0.6B's and 8B's heads
+# (scripts/bench_extend_attention.py; docs/benchmarks/serve-notes.md).
 ROWS = 64
 BLOCK_N = 64
 WARPS = 4
-STAGES = 2
+STAGES = 3
 MIN_DOT = 16  # tl.dot's smallest tile side: a tile has at least 16 rows
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the scale folds it in, exp2 is one instruction
 
