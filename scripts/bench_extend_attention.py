@@ -16,6 +16,7 @@ prompt only (it has no paged chunk form): the kernel's target. TFLOP/s counts th
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--configs", nargs="+", default=["64,64,4,2", "64,64,4,3", "128,64,8,2", "128,64,8,3",
                                                      "128,128,8,2", "64,128,4,2", "128,32,4,3", "128,64,4,3"])
     p.add_argument("--json", type=Path)
+    p.add_argument("--commit", default=None, help="the commit measured (recorded in the JSON)")
     args = p.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -122,7 +124,11 @@ def main() -> None:
                       f"{row['vs_sdpa']:.2f}x SDPA), chunk of {C} at the end {ms['deep']:.3f} ms "
                       f"({row['deep_tflops']} TFLOP/s), max |err| {error:.3g}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        import triton
+
+        run = dict(date=time.strftime("%Y-%m-%d"), commit=args.commit, gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__, block_size=BLOCK_SIZE, rows=rows)
+        args.json.write_text(json.dumps(run, indent=1) + "\n")
 
 
 if __name__ == "__main__":

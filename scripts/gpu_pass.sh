@@ -106,7 +106,7 @@ for stage in $stages; do
         --json "$out/scenarios-long.json" >> "$out/scenarios.log" 2>&1
       grep '^{' "$out/scenarios.log" ;;
     extend-attention)
-      timeout 300 python scripts/bench_extend_attention.py ${EXTEND_CONFIGS:+--configs $EXTEND_CONFIGS} \
+      timeout 300 python scripts/bench_extend_attention.py ${EXTEND_CONFIGS:+--configs $EXTEND_CONFIGS} ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/extend-attention.json" > "$out/extend-attention.log" 2>&1
       cat "$out/extend-attention.log" ;;
     long-prompts|long-prompts-8b)
