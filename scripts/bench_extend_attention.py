@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -124,8 +125,6 @@ def main() -> None:
                       f"{row['vs_sdpa']:.2f}x SDPA), chunk of {C} at the end {ms['deep']:.3f} ms "
                       f"({row['deep_tflops']} TFLOP/s), max |err| {error:.3g}", flush=True)
     if args.json:
-        import triton
-
         run = dict(date=time.strftime("%Y-%m-%d"), commit=args.commit, gpu=torch.cuda.get_device_name(),
                    torch=torch.__version__, triton=triton.__version__, block_size=BLOCK_SIZE, rows=rows)
         args.json.write_text(json.dumps(run, indent=1) + "\n")
