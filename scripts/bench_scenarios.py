@@ -17,9 +17,13 @@ Qwen3's dropping the reasoning). Run with the prefix cache and without (--no-pre
 "multi_turn", "prefix_cache", "ttft_ms_p50_later_turns", "ttft_ms_p50_first_turn", "total_tok_s",
 "hit_rate", ...}.
 
-long_prompts: --streams clients each decoding --stream-output tokens after a short prompt; after
---long-after seconds, prompts of --long-tokens tokens (one after another, each generating one
-token) arrive among them. Reported: the streams' inter-token latency (between consecutive streamed
+long_prompts: --streams clients each decoding after a short prompt; after --long-after seconds,
+prompts of --long-tokens tokens (one after another, each generating one token) arrive among them,
+and the streams leave half a second after the last one's first token (or after --stream-output
+tokens: the row counts streams that ended before that, which should be none), so that the long
+prompts are prefilled while every stream decodes. The server's batch has room for the streams and
+the long prompts. Without long prompts, the streams decode for as long as the long prompts take
+alone, plus --long-after and a second. Reported: the streams' inter-token latency (between consecutive streamed
 chunks) p50/p99 while long prompts are being prefilled, and in a run without them; each long
 prompt's TTFT among the streams and alone on the idle server. Row: {"scenario": "long_prompts",
 "itl_ms_p50", "itl_ms_p99", "itl_ms_p50_without_long", "itl_ms_p99_without_long", "long_ttft_ms",
@@ -36,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -57,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", type=int, default=256, help="tokens generated per turn")
     p.add_argument("--stand-in-replies", action="store_true", help="resend random ids for each reply")
     p.add_argument("--streams", type=int, default=64)
-    p.add_argument("--stream-output", type=int, default=1024)
+    p.add_argument("--stream-output", type=int, default=8192,
+                   help="tokens a stream may generate at most (it leaves once the long prompts are done)")
     p.add_argument("--long-tokens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--long-after", type=float, default=2.0, help="seconds after the streams start")
     p.add_argument("--server-args", default="", help="more flags for serve.py")
@@ -74,17 +80,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-async def stream(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], output: int) -> dict:
-    """One streamed completion: {"ttft", "gaps" (s between consecutive chunks), "tokens", "ids"}."""
+async def stream(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], output: int,
+                 until: Callable[[], bool] | None = None) -> dict:
+    """One streamed completion: {"ttft", "gaps" (s between consecutive chunks), "tokens", "ids",
+    "cut"}; until: read until it holds, then leave (the server cancels the request; "cut" True)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = last = time.perf_counter()
-    ttft, gaps, tokens, ids = None, [], 0, []
+    ttft, gaps, tokens, ids, cut = None, [], 0, [], False
     async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
         async for line in r.aiter_lines():
+            if until is not None and until():
+                cut = True
+                break
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -98,7 +109,7 @@ async def stream(http: httpx.AsyncClient, url: str, model: str, prompt: list[int
             else:
                 gaps.append(now - last)
             last = now
-    return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "ids": ids}
+    return {"ttft": ttft, "gaps": gaps, "tokens": tokens, "ids": ids, "cut": cut}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -157,11 +168,22 @@ async def long_prompts(url: str, model: str, args, vocab: int) -> dict:
             await stream(http, url, model, ids(n), 1)
         alone = [(await stream(http, url, model, ids(n), 1))["ttft"] for n in args.long_tokens]
 
+        # The streams decode until the long prompts have had their first tokens (and half a second
+        # more), then leave; without long prompts, for as long as the long prompts take alone.
+        without_s = args.long_after + sum(alone) + 1.0
+
         async def streams(with_long: bool):
             prompts = [ids(128) for _ in range(args.streams)]
             window: list[float] = []
             long_ttft: list[float] = []
             marks = {}
+            began = time.perf_counter()
+            done = {"early": 0}
+
+            def over() -> bool:
+                now = time.perf_counter()
+                return now > marks["end"] + 0.5 if with_long and "end" in marks else (
+                    not with_long and now > began + without_s)
 
             async def longs_arrive():
                 await asyncio.sleep(args.long_after)
@@ -172,7 +194,8 @@ async def long_prompts(url: str, model: str, args, vocab: int) -> dict:
 
             async def one(p):
                 body_start = time.perf_counter()
-                result = await stream(http, url, model, p, args.stream_output)
+                result = await stream(http, url, model, p, args.stream_output, until=over)
+                done["early"] += not result["cut"]  # reached stream_output before the window closed
                 # keep the gaps that end inside the window the long prompts were prefilled in
                 t = body_start + result["ttft"]
                 for gap in result["gaps"]:
@@ -182,15 +205,16 @@ async def long_prompts(url: str, model: str, args, vocab: int) -> dict:
 
             tasks = [one(p) for p in prompts] + ([longs_arrive()] if with_long else [])
             await asyncio.gather(*tasks)
-            return window, long_ttft
+            return window, long_ttft, done["early"]
 
-        without, _ = await streams(False)
-        within, long_ttft = await streams(True)
+        without, _, _ = await streams(False)
+        within, long_ttft, early = await streams(True)
     return {"scenario": "long_prompts", "streams": args.streams, "stream_output": args.stream_output,
             "long_tokens": args.long_tokens, "itl_ms_p50": pct(within, 0.5), "itl_ms_p99": pct(within, 0.99),
             "itl_ms_p50_without_long": pct(without, 0.5), "itl_ms_p99_without_long": pct(without, 0.99),
             "long_ttft_ms": [round(1e3 * t, 1) for t in long_ttft],
-            "long_ttft_ms_alone": [round(1e3 * t, 1) for t in alone]}
+            "long_ttft_ms_alone": [round(1e3 * t, 1) for t in alone],
+            "streams_done_before_the_long_prompts": early}
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -204,12 +228,18 @@ def plot(results: list[dict], path: Path) -> None:
 
     multi = [r for r in results if r["scenario"] == "multi_turn"]
     longs = [r for r in results if r["scenario"] == "long_prompts"]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = 2 * bool(multi) + bool(longs)
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 3.8), squeeze=False)
+    axes = list(axes[0])
     if multi:
-        names = ["cache on" if r["prefix_cache"] else "cache off" for r in multi]
-        axes[0].bar(names, [r["ttft_ms_p50_later_turns"] for r in multi], color=["C0", "C7"][: len(multi)])
-        axes[0].set(ylabel="ms", title=f"multi-turn: TTFT p50 of turns 2-{multi[0]['turns']}")
-        axes[1].bar(names, [r["total_tok_s"] for r in multi], color=["C0", "C7"][: len(multi)])
+        models = len({r["model"] for r in multi}) > 1  # then each bar names its model
+        names = [(r["model"].removeprefix("qwen3-") + "\n" if models else "") +
+                 ("cache on" if r["prefix_cache"] else "cache off") for r in multi]
+        colors = ["C0" if r["prefix_cache"] else "C7" for r in multi]
+        axes[0].bar(names, [r["ttft_ms_p50_later_turns"] for r in multi], color=colors)
+        axes[0].set(ylabel="ms", yscale="log" if models else "linear",
+                    title=f"multi-turn: TTFT p50 of turns 2-{multi[0]['turns']}")
+        axes[1].bar(names, [r["total_tok_s"] for r in multi], color=colors)
         axes[1].set(ylabel="generated tok/s", title=f"multi-turn: {multi[0]['conversations']} conversations")
     if longs:
         r = longs[-1]
@@ -217,10 +247,10 @@ def plot(results: list[dict], path: Path) -> None:
             f"TTFT {n // 1024}k\n{how}" for n in r["long_tokens"] for how in ("alone", "among streams")]
         values = [r["itl_ms_p99_without_long"], r["itl_ms_p99"]] + [
             v for pair in zip(r["long_ttft_ms_alone"], r["long_ttft_ms"]) for v in pair]
-        axes[2].bar(labels, values, color=["C7", "C0"] + ["C7", "C0"] * len(r["long_tokens"]))
-        axes[2].set(yscale="log", ylabel="ms", title=f"long prompts among {r['streams']} streams")
-        axes[2].tick_params(axis="x", labelsize=7)
-    fig.suptitle(results[0]["model"] if results else "")
+        axes[-1].bar(labels, values, color=["C7", "C0"] + ["C7", "C0"] * len(r["long_tokens"]))
+        axes[-1].set(yscale="log", ylabel="ms", title=f"long prompts among {r['streams']} streams")
+        axes[-1].tick_params(axis="x", labelsize=7)
+    fig.suptitle(", ".join(sorted({r["model"] for r in results})))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -245,7 +275,9 @@ def main(argv=None) -> None:
         for scenario, flags in runs:
             args.server_args = f"{base} {flags}"
             log = args.server_log or tmp / "server.log"
-            proc, url = start_server(model_dir, args, args.concurrency[0], log)
+            # Long prompts: room in the batch beside every stream, so that they are admitted at once.
+            batch = args.streams + len(args.long_tokens) if scenario == "long_prompts" else args.concurrency[0]
+            proc, url = start_server(model_dir, args, batch, log)
             try:
                 model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
                 run = multi_turn if scenario == "multi_turn" else long_prompts
