@@ -106,7 +106,7 @@ class MessageToolCall(Strict):
 class Message(Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[TextPart] | None = None
-    name: Any = None  # UNSUPPORTED unless null: the chat template shows no names
+    name: str | None = None  # a participant's name: handed to the chat template (Qwen3's show none)
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     # An assistant reply's reasoning, sent back in the history as this server returned it (or under
@@ -187,7 +187,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "verbosity": ((), "the model's own length"),
     "web_search_options": ((), "no web search"),
     "store": ((False,), "completions are not stored"),
-    "name": ((), "the chat template shows no participant names"),
     "refusal": ((), "the chat template has no refusals"),
     "annotations": ((), "the chat template has no annotations"),
 }

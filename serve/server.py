@@ -190,9 +190,13 @@ class Server:
                                    "/v1/completions with a plain prompt", param="messages")
         messages = []
         for i, m in enumerate(req.messages):
-            content = m.content if isinstance(m.content, str) or m.content is None else "".join(
-                part.text for part in m.content)
-            message = {"role": m.role, "content": content or ""}
+            content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
+                part.text for part in m.content)  # parts kept apart, as vLLM joins them
+            # OpenAI's developer role is the system role of reasoning models; Qwen3's templates know
+            # only system, and would drop the message.
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+            if m.name is not None:  # the template decides whether to show it (Qwen3's do not)
+                message["name"] = m.name
             if m.tool_calls:  # the template writes the arguments as JSON: it takes them as an object
                 message["tool_calls"] = [{"type": "function", "id": call.id, "function": {
                     "name": call.function.name, "arguments": json_object(call.function.arguments,
@@ -464,6 +468,10 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         ids = server.chat_prompt(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
+        if room < 1 and max_tokens is None:  # the prompt alone fills the context: the messages are too long
+            raise OpenAIError(400, f"This model's maximum context length is {server.max_len} tokens and the "
+                              f"cache holds {engine.limits.n_blocks * engine.limits.block_size}; the messages "
+                              f"are {len(ids)} tokens, leaving no room for a reply", param="messages")
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
         return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
 

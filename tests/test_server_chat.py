@@ -13,6 +13,7 @@ a token at the end of the prompt (chat_template_kwargs {"script": "call"} and so
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -275,6 +276,26 @@ def test_the_reasoning_sent_back_reaches_the_template(server, checkpoint):
                                          temperature=0, extra_body={"return_token_ids": True})
         prompt = load_tokenizer(checkpoint).decode(done.choices[0].prompt_token_ids)  # its think tags
         assert "assistant\n<think>I should greet.</think>Hello" in prompt, name
+
+
+def test_messages_as_agent_frameworks_send_them_reach_the_template(server, checkpoint):
+    """A developer message is a system message (Qwen3's templates render no developer role); a
+    message's name is accepted (LlamaIndex and AutoGen send it); text parts are kept apart."""
+    c = client(server)
+    history = [{"role": "developer", "content": "Answer in French."},
+               {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi"},
+                                                           {"type": "text", "text": "there"}]}]
+    done = c.chat.completions.create(model=c.models.list().data[0].id, messages=history, max_tokens=4,
+                                     temperature=0, extra_body={"return_token_ids": True})
+    prompt = load_tokenizer(checkpoint).decode(done.choices[0].prompt_token_ids)
+    assert prompt.startswith("<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nHi\nthere<|im_end|>")
+
+
+def test_a_prompt_that_fills_the_context_is_a_400_naming_messages(server):
+    long = " ".join(["word"] * 3000)
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]},
+                   timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_n_chat_choices_each_take_their_reply_apart(server):

@@ -151,7 +151,6 @@ UNSUPPORTED = [  # (endpoint, fields, the field named): OpenAI's fields this ser
     (CHAT, {"verbosity": "low"}, "verbosity"),
     (CHAT, {"web_search_options": {}}, "web_search_options"),
     (CHAT, {"store": True}, "store"),
-    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name"),
 ]
 UNRECOGNIZED = [  # not in the API of the endpoint: OpenAI's "Unrecognized request argument"
     ("/v1/completions", {"tools": [TOOL]}, "tools"),
