@@ -48,6 +48,7 @@ Choices made here:
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -208,6 +209,13 @@ class Server:
                 message["reasoning_content"] = reasoning
             messages.append(message)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+        # The template's own variables only: apply_chat_template's arguments (the template, tools, the
+        # generation prompt...) are the server's to set.
+        arguments = inspect.signature(self.tokenizer.apply_chat_template).parameters
+        for key in req.chat_template_kwargs or {}:
+            if key in arguments and arguments[key].kind is not inspect.Parameter.VAR_KEYWORD:
+                raise OpenAIError(400, f"chat_template_kwargs may set the template's variables only, not {key!r}",
+                                  param=f"chat_template_kwargs.{key}")
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=True, **(req.chat_template_kwargs or {}))
@@ -273,6 +281,8 @@ class Server:
         choice i's is seed + i) that finds the prompt's blocks the first one prefilled. replies: a
         chat request's parser per choice (None: a completion)."""
         chat = replies is not None
+        if fields.stream_options is not None and not fields.stream:  # as OpenAI refuses it
+            raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         room = self.engine.max_batch + self.engine.max_waiting
         if fields.n > room:  # never all taken at once: a 429 would say "later" forever
             raise OpenAIError(400, f"n is {fields.n}, but this server holds {room} requests at once "
@@ -448,10 +458,18 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
     async def metrics():
         return Response(server.metrics.render(await engine_stats()), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": server.created, "owned_by": "qwen3-from-scratch",
+                "max_model_len": server.max_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "qwen3-from-scratch", "max_model_len": server.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve(name); a name may hold "/"
+    async def model(name: str):
+        server.check_model(name)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -69,6 +69,12 @@ def async_client(url: str) -> openai.AsyncOpenAI:
 def test_models_and_health(server):
     models = client(server).models.list()
     assert [m.id for m in models.data] == [NAME]
+    assert client(server).models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("gpt-4o")
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "stream_options": {"include_usage": True}},
+                   timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "stream_options", r.text
     h = health(server)
     assert h["status"] == "ok" and h["free_blocks"] == h["total_blocks"] > 0
 

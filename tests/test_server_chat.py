@@ -298,6 +298,13 @@ def test_a_prompt_that_fills_the_context_is_a_400_naming_messages(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
+def test_chat_template_kwargs_set_template_variables_not_the_servers_arguments(server):
+    for key, value in (("add_generation_prompt", False), ("chat_template", "{{ 1 / 0 }}"), ("tools", [])):
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+            "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {key: value}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+
+
 def test_n_chat_choices_each_take_their_reply_apart(server):
     """n 2, streamed and not: each choice has the reasoning, the answer and the tool call apart."""
     c = client(server)
