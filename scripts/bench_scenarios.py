@@ -182,8 +182,9 @@ async def long_prompts(url: str, model: str, args, vocab: int) -> dict:
 
             def over() -> bool:
                 now = time.perf_counter()
-                return now > marks["end"] + 0.5 if with_long and "end" in marks else (
-                    not with_long and now > began + without_s)
+                if with_long:
+                    return "end" in marks and now > marks["end"] + 0.5
+                return now > began + without_s
 
             async def longs_arrive():
                 await asyncio.sleep(args.long_after)

@@ -35,8 +35,8 @@ __all__ = ["extend_attention"]
 
 # Matrix rows per program (tokens x heads of a group) and keys per inner step, with the warps and
 # pipeline stages that run them: FlashAttention-2's tile for head_dim 128 in 16 bits, with three
-# stages, the fastest of eight settings on an H200 at 4k-32k keys, 0.6B's and 8B's heads
-# (scripts/bench_extend_attention.py; docs/benchmarks/serve-notes.md).
+# stages: the fastest setting at 16k and 32k keys, where long prompts spend their time, for 0.6B's
+# and 8B's heads (scripts/bench_extend_attention.py, docs/benchmarks/extend-attention-h200.json).
 ROWS = 64
 BLOCK_N = 64
 WARPS = 4
