@@ -93,3 +93,34 @@ class TextStream:
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         piece, self.printed = text[self.printed :], len(text)
         return piece
+
+
+def byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, Qwen's): the character that stands for each byte in a
+    token's name -> the byte. Printable bytes stand for themselves; the other 68 are shifted to
+    the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
+
+
+class TokenPieces:
+    """Each token's own bytes and text, as OpenAI's log-probabilities show a token: a token of
+    byte-level BPE may hold part of a character, so its bytes are exact and its text replaces an
+    incomplete character with U+FFFD (what decoding the token alone gives)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.alphabet = byte_alphabet()
+        self.known: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        """(text, bytes) of one token."""
+        if token_id not in self.known:
+            name = self.tokenizer.convert_ids_to_tokens(token_id)
+            if name is not None and name and all(c in self.alphabet for c in name):
+                raw = bytes(self.alphabet[c] for c in name)
+            else:  # not byte-level (or a special token named otherwise): its decoded text
+                raw = self.tokenizer.decode([token_id]).encode()
+            self.known[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return self.known[token_id]

@@ -3,6 +3,9 @@ how they are written in OpenAI's shapes, whole (`message` / `text`) or as a stre
 
 from dataclasses import dataclass
 
+from runtime.logprobs import TokenLogprobs
+from runtime.text import TokenPieces
+
 from .reply import ReplyParser
 from .request import Output
 from .streams import Outputs
@@ -13,6 +16,37 @@ def finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if reason == "stop" and called else reason
 
 
+class LogprobsWriter:
+    """A choice's tokens' log-probabilities in OpenAI's shapes, one output's worth at a time: chat's
+    {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}, and the completions'
+    {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}. Every
+    generated token has its entry, a stop token too (as token_ids list it)."""
+
+    def __init__(self, pieces: TokenPieces, chat: bool):
+        self.pieces, self.chat = pieces, chat
+        self.offset = 0  # a completion's: where the next token's text starts
+
+    def __call__(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self.entry(token, lp, [self.entry(i, v) for i, v in zip(ids, values)])
+                                for token, (lp, ids, values) in zip(token_ids, logprobs)]}
+        texts = [self.pieces(token)[0] for token in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in logprobs],
+                "top_logprobs": [{self.pieces(i)[0]: v for i, v in zip(ids, values)} for _, ids, values in logprobs],
+                "text_offset": offsets}
+
+    def entry(self, token: int, logprob: float, top: list | None = None) -> dict:
+        text, raw = self.pieces(token)
+        entry = {"token": text, "logprob": logprob, "bytes": raw}
+        return entry if top is None else entry | {"top_logprobs": top}
+
+
 @dataclass
 class Choice:
     index: int
@@ -20,8 +54,12 @@ class Choice:
     seq_id: int
     reply: ReplyParser | None  # a chat reply's parser; None: a completion
     prompt_ids: list[int] | None  # return_token_ids: the prompt's ids, in the first chunk or the choice
+    logprobs: LogprobsWriter | None = None  # the request asked for log-probabilities
     called: bool = False  # a tool call was sent
     first: bool = True  # no chunk sent yet
+
+    def write_logprobs(self, out: Output) -> dict | None:
+        return self.logprobs(out.token_ids, out.logprobs) if self.logprobs is not None else None
 
     def whole(self, out: Output) -> dict:
         """The choice of a response that is not streamed, from its last output (every one merged)."""
@@ -33,10 +71,11 @@ class Choice:
                 message["reasoning_content"] = delta.reasoning or None
             if delta.calls:
                 message["tool_calls"] = [call.as_dict() for call in delta.calls]
-            choice = {"index": self.index, "message": message, "logprobs": None,
+            choice = {"index": self.index, "message": message, "logprobs": self.write_logprobs(out),
                       "finish_reason": finish_reason(out.finish_reason, bool(delta.calls))}
         else:
-            choice = {"index": self.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
+                      "finish_reason": out.finish_reason}
         if self.prompt_ids is not None:
             choice |= {"token_ids": out.token_ids, "prompt_token_ids": self.prompt_ids}
         return choice
@@ -51,7 +90,7 @@ class Choice:
         (default: when out has a finish reason); held-back text is let go."""
         final = out.finish_reason is not None if final is None else final
         if self.reply is None:
-            return self.ids({"index": self.index, "text": out.text, "logprobs": None,
+            return self.ids({"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
                              "finish_reason": out.finish_reason}, out.token_ids)
         parsed = self.reply.feed(out.text, final)
         delta = {"content": parsed.content} if parsed.content else {}
@@ -60,7 +99,7 @@ class Choice:
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
             self.called = True
-        return self.ids({"index": self.index, "delta": delta, "logprobs": None,
+        return self.ids({"index": self.index, "delta": delta, "logprobs": self.write_logprobs(out),
                          "finish_reason": finish_reason(out.finish_reason, self.called)}, out.token_ids)
 
     def ids(self, choice: dict, tokens) -> dict:

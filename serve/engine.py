@@ -71,6 +71,7 @@ from runtime.blocks import block_keys
 from runtime.cache import PagedKVCache
 from runtime.generate import resolve_eos
 from runtime.graphs import resolve_cuda_graph
+from runtime.logprobs import Logprobs, TokenLogprobs, keep, token_logprobs
 from runtime.sampler import Sampler, random_seed
 from runtime.text import TextStream
 
@@ -94,6 +95,7 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     tokens: torch.Tensor  # [B] on the host once `ready` has completed
+    logprobs: Logprobs | None  # theirs, when a sequence asked (on the host with the tokens)
     ready: torch.cuda.Event | None  # None: the tokens are already there (CPU)
 
 
@@ -369,7 +371,7 @@ class Engine:
             logits = logits[self._on_device(done)]
         tokens = self.sampler(logits, rows, self._how(finished))
         self.last_token[rows] = tokens
-        self._send_back(finished, tokens)
+        self._send_back(finished, tokens, token_logprobs(logits, tokens) if self._logprobs(finished) else None)
 
     def _register_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks whose tokens are all known and written (launched: a later
@@ -432,32 +434,37 @@ class Engine:
         rows = torch.tensor([s.row for s in seqs])
         positions = self._on_device([s.cached for s in seqs])
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
-        tokens = self.decode(self._on_device(rows), positions, self._on_device(self.block_rows[rows, :width]),
-                             self._how(seqs))
+        tokens, logprobs = self.decode(self._on_device(rows), positions,
+                                       self._on_device(self.block_rows[rows, :width]), self._how(seqs),
+                                       self._logprobs(seqs))
         for s in seqs:
             s.cached += 1
-        self._send_back(seqs, tokens)
+        self._send_back(seqs, tokens, logprobs)
 
-    def _send_back(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
-        """Queue the copy of the tokens [B] sampled for seqs to the host; the next step reads them."""
+    def _send_back(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: Logprobs | None) -> None:
+        """Queue the copy of the tokens [B] sampled for seqs (and their log-probabilities) to the
+        host; the next step reads them."""
         for s in seqs:
             s.unread += 1
         ready = None  # the CPU's tokens are there already
         if tokens.device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)
+            logprobs = logprobs.to_host() if logprobs is not None else None
             ready = torch.cuda.Event()
             ready.record()
-        self.in_flight.append(LaunchedStep(seqs, tokens, ready))
+        self.in_flight.append(LaunchedStep(seqs, tokens, logprobs, ready))
 
     def _accept_step(self, step: LaunchedStep) -> None:
         """Hand out the tokens of a launched prefill or decode step, once they have reached the
         host; a sequence that ended meanwhile (a stop token before, a cancel) drops its token."""
         if step.ready is not None:
             step.ready.synchronize()
-        for s, token in zip(step.seqs, step.tokens.tolist()):
+        logprobs = step.logprobs.tolist() if step.logprobs is not None else itertools.repeat(None)
+        for s, token, lp in zip(step.seqs, step.tokens.tolist(), logprobs):
             s.unread -= 1
             if s.finish_reason is None:
-                self._accept(s, token)
+                k = s.request.logprobs
+                self._accept(s, token, keep(lp, k) if k is not None else None)
 
     def _on_device(self, data: torch.Tensor | list) -> torch.Tensor:
         """Host data on the engine's device without waiting for the GPU: a copy from pageable
@@ -472,17 +479,24 @@ class Engine:
         """How the sampler chooses these sequences' tokens (Sampler.how: greedy, fused, reference)."""
         return Sampler.how([s.request.params for s in seqs], self.fused)
 
-    def _accept(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _logprobs(seqs: list[Sequence]) -> bool:
+        """Whether a step over these sequences returns its tokens' log-probabilities: one asks."""
+        return any(s.request.logprobs is not None for s in seqs)
+
+    def _accept(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         """Append a sampled token, apply the stops, hand out the new text."""
         seq.ids.append(token)
         self._register_blocks(seq)
         reason = seq.read(token)
+        lp = [logprobs] if logprobs is not None else None
         if reason is not None:
-            self._finish(seq, reason, token)
+            self._finish(seq, reason, token, lp)
         else:
-            self._emit(seq, seq.unsent(), [token], None)
+            self._emit(seq, seq.unsent(), [token], None, lp)
 
-    def _finish(self, seq: Sequence, reason: str, token: int | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, token: int | None = None,
+                logprobs: list[TokenLogprobs] | None = None) -> None:
         """End a sequence: free its blocks at once (its registered ones stay cached), take it out of
         the batch, send the rest of its text."""
         self.cache.release(seq.blocks)
@@ -497,13 +511,16 @@ class Engine:
         with self._lock:
             self._in_flight -= 1
         seq.finish_reason = reason
-        self._emit(seq, seq.text[seq.sent :], [token] if token is not None else [], reason)
+        self._emit(seq, seq.text[seq.sent :], [token] if token is not None else [], reason, logprobs)
         seq.sent = len(seq.text)
 
-    def _emit(self, seq: Sequence, text: str, tokens: list[int], reason: str | None) -> None:
+    def _emit(self, seq: Sequence, text: str, tokens: list[int], reason: str | None,
+              logprobs: list[TokenLogprobs] | None = None) -> None:
         if seq.on_output is None:
             return
+        if logprobs is None and seq.request.logprobs is not None:
+            logprobs = []  # an output without a token (a cancel) has none: still a list, as asked
         try:
-            seq.on_output(Output(text, tokens, reason, seq.n_prompt, seq.n_generated))
+            seq.on_output(Output(text, tokens, reason, seq.n_prompt, seq.n_generated, logprobs))
         except Exception:  # one client's callback (a closed event loop, say) must not stop the engine
             traceback.print_exc()

@@ -119,7 +119,7 @@ class EngineLoop:
         def on_output(out: Output) -> None:
             # A flat tuple per output, built by hand: dataclasses.astuple deep-copies every field
             self.outputs.append((client_id, out.text, out.token_ids, out.finish_reason, out.prompt_tokens,
-                                 out.completion_tokens))
+                                 out.completion_tokens, out.logprobs))
             if out.finish_reason is not None:
                 self.seq_ids.pop(client_id, None)
         return on_output

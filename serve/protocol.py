@@ -3,7 +3,7 @@
 Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
 0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds
 of fields beyond the ones the server implements:
-- defined by OpenAI's API but not implemented here (response_format, logprobs, best_of, a forced tool call...):
+- defined by OpenAI's API but not implemented here (response_format, best_of, a forced tool call...):
   a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
   never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
 - defined by the API and accepted whatever they hold, because they do not change the answer
@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from runtime.logprobs import MAX_LOGPROBS
 
 
 class OpenAIError(Exception):
@@ -73,12 +75,13 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each a sequence of its own sharing the prompt's prefill
     frequency_penalty: Any = None
     logit_bias: Any = None
-    logprobs: Any = None
     user: Any = None  # IGNORED
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # each token's log-probability and those of the `logprobs` most likely (vLLM's bound, above OpenAI's 5)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Any = None  # UNSUPPORTED unless 1
     echo: Any = None
     suffix: Any = None
@@ -145,7 +148,8 @@ class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: {"enable_thinking": false}
-    top_logprobs: Any = None  # UNSUPPORTED unless off
+    logprobs: bool | None = None  # each token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and those of the most likely, with logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # UNSUPPORTED: required, named
     functions: Any = None
@@ -171,8 +175,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "best_of": ((1,), "one choice per request"),
     "frequency_penalty": ((0, 0.0), "use presence_penalty or repetition_penalty"),
     "logit_bias": (({},), "no bias on token logits"),
-    "logprobs": ((False,), "no log probabilities are returned"),
-    "top_logprobs": ((0,), "no log probabilities are returned"),
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": (("",), "fill-in-the-middle is not implemented"),
     "tool_choice": (("none", "auto"), "a call forced by 'required' or a named function needs constrained "

@@ -6,6 +6,7 @@
 from dataclasses import dataclass
 
 from runtime import checks
+from runtime.logprobs import MAX_LOGPROBS, TokenLogprobs
 from runtime.sampling import ParameterError, SamplingParams
 
 
@@ -19,19 +20,22 @@ class Request:
     seed: int | None = None  # its tokens' random stream, whatever else runs beside it (None: one of its own)
     stop: tuple[str, ...] = ()  # stop strings: output ends before the first one
     eos_ids: tuple[int, ...] | None = None  # stop tokens; None: the engine's (the checkpoint's)
+    # Each token's log-probability and the `logprobs` most likely tokens' (runtime/logprobs.py); None: none
+    logprobs: int | None = None
 
 
 @dataclass
 class Output:
     """One event of a request: the text and tokens new since the last one; the last event has a
     finish_reason: "stop" (a stop token or string), "length" (max_tokens), "cancelled", or "error"
-    (the engine failed: see its log)."""
+    (the engine failed: see its log). logprobs: one per token of token_ids, when the request asked."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class QueueFull(Exception):
@@ -53,6 +57,9 @@ def check_request(request: Request, limits: Limits) -> None:
     runtime/checks.py's checks of every generation, then the KV cache's."""
     n = len(request.prompt_ids)
     checks.check_request(n, request.max_tokens, limits.max_len, request.seed)
+    k = request.logprobs
+    if k is not None and not (type(k) is int and 0 <= k <= MAX_LOGPROBS):
+        raise ParameterError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
     if not all(isinstance(t, int) and 0 <= t < limits.vocab_size for t in request.prompt_ids):
         raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
     blocks = -(-(n + request.max_tokens) // limits.block_size)

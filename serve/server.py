@@ -41,6 +41,8 @@ Choices made here:
   faster than the event loop sends chunks (many concurrent streams), one chunk carries every
   token that arrived since the last, so the loop's work per token falls as load rises. A chunk's
   text may be empty while the detokenizer or a possible stop string holds text back.
+- logprobs are the model's own distribution (runtime/logprobs.py: before the sampler's filters,
+  as vLLM's default), one entry per generated token, a stop token too.
 - Sampling parameters not given come from the checkpoint's generation_config.json, as in
   scripts/generate.py (so a greedy request equals `generate.py --temperature 0`); max_tokens
   defaults to 16 for completions (OpenAI's default) and to the rest of the context for chat.
@@ -66,8 +68,9 @@ from starlette.exceptions import HTTPException
 
 from runtime.reasoning import OPEN, ReasoningSplitter
 from runtime.sampling import sampling_params
+from runtime.text import TokenPieces
 
-from .choices import Choice
+from .choices import Choice, LogprobsWriter
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
@@ -103,6 +106,7 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.reasoning = reasoning and OPEN in (tokenizer.chat_template or "")
         self.metrics = Metrics(model_name)
+        self.pieces = TokenPieces(tokenizer)  # tokens as log-probabilities name them
         self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
@@ -156,7 +160,7 @@ class Server:
                               param="model", code="model_not_found")
 
     def engine_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                       default_max_tokens: int) -> EngineRequest:
+                       default_max_tokens: int, logprobs: int | None = None) -> EngineRequest:
         try:
             params = sampling_params(
                 self.generation_config, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -168,7 +172,7 @@ class Server:
             max_tokens = default_max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         request = EngineRequest(prompt_ids, max_tokens, params, seed=req.seed, stop=tuple(stop),
-                                eos_ids=() if req.ignore_eos else None)
+                                eos_ids=() if req.ignore_eos else None, logprobs=logprobs)
         try:
             self.engine.check(request)
         except ValueError as err:  # ParameterError names the field
@@ -295,7 +299,8 @@ class Server:
                 seed = None if request.seed is None else (request.seed + i) % 2**63
                 outputs = Outputs(self.outbox, each=fields.stream)
                 seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
-                choices.append(Choice(i, outputs, seq_id, replies[i] if chat else None, prompt_ids))
+                writer = LogprobsWriter(self.pieces, chat) if request.logprobs is not None else None
+                choices.append(Choice(i, outputs, seq_id, replies[i] if chat else None, prompt_ids, writer))
         except OpenAIError:  # past the queue bound midway: the choices taken are let go
             self.close_all(choices)
             raise
@@ -476,7 +481,8 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         req = parse(CompletionRequest, await request.body())
         server.check_model(req.model)
         ids = server.completion_prompt(req)
-        engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16)
+        engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
+                                               logprobs=req.logprobs)
         return await server.run(request, engine_request, req)
 
     @app.post("/v1/chat/completions")
@@ -490,7 +496,11 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
             raise OpenAIError(400, f"This model's maximum context length is {server.max_len} tokens and the "
                               f"cache holds {engine.limits.n_blocks * engine.limits.block_size}; the messages "
                               f"are {len(ids)} tokens, leaving no room for a reply", param="messages")
-        engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1))
+        if req.top_logprobs and not req.logprobs:  # as OpenAI refuses it
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
+                                               logprobs=logprobs)
         return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
 
     return app

@@ -12,6 +12,7 @@ import torch
 from runtime import metadata
 from runtime.cache import PagedKVCache
 from runtime.graphs import GraphRunner
+from runtime.logprobs import Logprobs, token_logprobs
 from runtime.sampler import Sampler
 
 # On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
@@ -34,7 +35,10 @@ class DecodeStep:
     written back to last_token, all in one step: eager, or (CUDA) replayed from the graph of the
     smallest batch bucket >= B (runtime/graphs.py), its padding rows on the scratch row and slot.
     A graph per way of choosing (Sampler.how): greedy steps and sampling ones, each captured at
-    start; a third (the reference sampler beside the fused kernels) the first time it is needed."""
+    start; a third (the reference sampler beside the fused kernels) the first time it is needed.
+    Steps that also return the tokens' log-probabilities (runtime/logprobs.py) are graphs of
+    their own, each captured the first time a request asks for them: the steps of requests that
+    do not ask compute none."""
 
     def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
                  table_width: int, graph: bool, fused: bool):
@@ -47,37 +51,39 @@ class DecodeStep:
         self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.runners: dict[str, GraphRunner] = {}
+        self.runners: dict[tuple[str, bool], GraphRunner] = {}
         for how in ("greedy", "fused" if fused else "reference"):
-            self.runner(how)
+            self.runner(how, False)
 
-    def runner(self, how: str) -> GraphRunner:
+    def runner(self, how: str, logprobs: bool) -> GraphRunner:
         """The steps that choose tokens `how`, captured the first time they are asked for. Every row
         is padding while capturing (the scratch row, valid False, block 0): the warm-up and capture
         runs write to the cache's scratch slot and the sampler's scratch row only, also when a
         runner is captured while sequences run (their rows' buffers are refilled after)."""
-        if how not in self.runners:
+        if (how, logprobs) not in self.runners:
             self.rows.fill_(self.sampler.scratch)
             self.valid.fill_(False)
             self.positions.zero_()
             self.block_table.zero_()
-            step = lambda n: self._step(n, how)  # noqa: E731
-            self.runners[how] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
-        return self.runners[how]
+            step = lambda n: self._step(n, how, logprobs)  # noqa: E731
+            runner = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
+            self.runners[how, logprobs] = runner
+        return self.runners[how, logprobs]
 
-    def _step(self, n: int, how: str) -> torch.Tensor:
+    def _step(self, n: int, how: str, logprobs: bool) -> tuple[torch.Tensor, Logprobs | None]:
         rows = self.rows[:n]
         meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
                                self.cu_seqlens[: n + 1])
         logits = self.model(self.last_token[rows], self.positions[:n], meta)
         tokens = self.sampler(logits, rows, how)
         self.last_token[rows] = tokens
-        return tokens
+        return tokens, token_logprobs(logits, tokens) if logprobs else None
 
     def __call__(self, rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                 how: str) -> torch.Tensor:
+                 how: str, logprobs: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
+        """The next tokens [B] of the rows, and with `logprobs` their log-probabilities."""
         B = rows.shape[0]
-        runner = self.runner(how)
+        runner = self.runner(how, logprobs)
         bucket = runner.bucket(B)
         self.rows[:B].copy_(rows)
         self.positions[:B].copy_(positions)
@@ -87,7 +93,8 @@ class DecodeStep:
         self.rows[B:bucket] = self.sampler.scratch
         self.positions[B:bucket] = 0
         self.block_table[B:bucket] = 0
-        return runner(B)[:B]
+        tokens, lp = runner(B)
+        return tokens[:B], lp[:B] if lp is not None else None
 
 
 def attention_cost(config) -> float:

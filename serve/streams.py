@@ -39,12 +39,15 @@ class Outputs:
             self.ready.clear()
         first = self.items.popleft()
         text, tokens, last = [first.text], list(first.token_ids), first
+        logprobs = list(first.logprobs) if first.logprobs is not None else None
         while self.items:
             last = self.items.popleft()
             text.append(last.text)
             tokens += last.token_ids
+            if logprobs is not None:
+                logprobs += last.logprobs or []
         self.done = last.finish_reason is not None
-        return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs)
 
 
 class Outbox:

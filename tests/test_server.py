@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+import transformers
 from checkpoints import CHAT_TEMPLATE
 from servers import (
     NAME,
@@ -26,6 +27,7 @@ from servers import (
     serving,
     wait_until_idle,
 )
+from tolerances import LOGITS_FP32_ATOL, logprobs_fp32_atol
 
 from runtime.text import load_tokenizer, prompt_ids
 
@@ -273,6 +275,69 @@ def test_the_prefix_cache_can_be_turned_off():
     assert load_serve_py().parse_args([]).prefix_cache is True
 
 
+def assert_logprobs_of_transformers(ids: list[int], tokens: list[int], logprobs: list, k: int, tokenizer) -> None:
+    """logprobs: per token, (its text, its log-prob, [(text, log-prob) of its k top ones]), against
+    transformers' model of the same checkpoint teacher-forced on the prompt and the tokens:
+    log_softmax in fp32. Each top one must be a token transformers ranks there, with its value."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+    truth, atol = logits.log_softmax(-1), logprobs_fp32_atol(logits)
+    assert len(logprobs) == len(tokens)
+    for token, (text, logprob, top), row in zip(tokens, logprobs, truth):
+        assert text == tokenizer.decode([token]) and abs(logprob - row[token].item()) <= atol
+        values = [value for _, value in top]
+        assert len(top) == k and values == sorted(values, reverse=True)
+        assert torch.allclose(torch.tensor(values), row.topk(k).values, rtol=0, atol=atol)
+        near = row.topk(k + 2).indices.tolist()  # ranks may swap with the next ones within the tolerance
+        for name, value in top:
+            assert any(tokenizer.decode([i]) == name and abs(row[i].item() - value) <= atol for i in near)
+
+
+def test_logprobs_are_transformers_log_softmax_streamed_or_not(server, reference, chat_model):
+    """Completions' logprobs 5 and chat's logprobs + top_logprobs 3, greedy and sampled: each token's
+    log-prob and its top ones equal transformers' log_softmax (fp32) of the same checkpoint,
+    teacher-forced on the tokens the server chose; top ones sorted, a greedy token the first of
+    them; the tokens' bytes add up to the text; a stream's entries add up to the whole."""
+    c = client(server)
+    prompt, n = "import collections", 8
+    # no repetition penalty (the checkpoint's default): greedy is then the raw logits' argmax
+    extra = {"return_token_ids": True, "ignore_eos": True, "repetition_penalty": 1.0}
+    done = c.completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, logprobs=5, extra_body=extra)
+    choice, lp = done.choices[0], done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n == len(choice.token_ids)
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[0] == 0
+    assert all(max(top.values()) == top[tok] for tok, top in zip(lp.tokens, lp.top_logprobs))  # greedy: the first
+    assert_logprobs_of_transformers(list(reference.ids(prompt)), choice.token_ids, [
+        (text, value, list(top.items())) for text, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)
+    ], 5, reference.tokenizer)
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(
+        model=NAME, prompt=prompt, max_tokens=n, temperature=0, logprobs=5, stream=True, extra_body=extra)]
+    assert sum((s.token_logprobs for s in streamed if s), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed if s), []) == lp.text_offset
+
+    messages = [{"role": "user", "content": "Sort a list"}]
+    sampled = dict(model=NAME, messages=messages, max_tokens=n, temperature=1.0, seed=11, logprobs=True,
+                   top_logprobs=3, extra_body=extra)
+    chat = c.chat.completions.create(**sampled)
+    content = chat.choices[0].logprobs.content
+    assert bytes(sum((entry.bytes for entry in content), [])).decode() == chat.choices[0].message.content
+    assert_logprobs_of_transformers(chat.choices[0].prompt_token_ids, chat.choices[0].token_ids, [
+        (e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content
+    ], 3, load_tokenizer(chat_model))
+    # Streamed: the same tokens, and values within the tolerance (its prompt is a cached prefix now:
+    # computed once more in another order, the last fp32 bits may differ).
+    pieces = [e for ch in c.chat.completions.create(stream=True, **sampled) if ch.choices[0].logprobs
+              for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in pieces] == \
+        [(e.token, e.bytes, [t.token for t in e.top_logprobs]) for e in content]
+    assert [e.logprob for e in pieces] == pytest.approx([e.logprob for e in content], abs=LOGITS_FP32_ATOL)
+    greedy = c.chat.completions.create(**{**sampled, "temperature": 0, "top_logprobs": 0}).choices[0].logprobs
+    assert all(entry.top_logprobs == [] for entry in greedy.content) and len(greedy.content) == n
+    plain = c.chat.completions.create(**{**sampled, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
 def test_bad_requests_get_openai_errors_naming_the_field(server):
     url = f"{server}/v1/completions"
     r = httpx.post(url, content=b'{"prompt": "x", ', headers={"Content-Type": "application/json"}, timeout=30)
@@ -294,12 +359,22 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 2}, "top_p", "top_p must be in (0, 1]"),
         ({"prompt": ["a", "b"]}, "prompt", "One prompt per request, got 2"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
     ):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
         assert says in error_of(r)["message"], (body, r.text)
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": 5}]}, timeout=30)
     assert r.status_code == 400 and error_of(r)["param"] == "messages[0].content", r.text
+    hi = [{"role": "user", "content": "hi"}]
+    for body, param, says in (
+        ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"logprobs": 1}, "logprobs", "valid boolean"),
+    ):
+        r = httpx.post(f"{server}/v1/chat/completions", json={"messages": hi, **body}, timeout=30)
+        assert r.status_code == 400 and error_of(r)["param"] == param and says in error_of(r)["message"], r.text
 
     c = client(server)
     with pytest.raises(openai.BadRequestError) as err:  # prompt + max_tokens over the context

@@ -27,6 +27,12 @@ RMSNORM_16BIT_WEIGHTED_MAX_ULPS = 3
 LOGITS_FP32_RTOL = 1e-4
 LOGITS_FP32_ATOL = 1e-4
 
+# Log-probabilities (logit - logsumexp of the row) of fp32 logits within the bounds above: the
+# logsumexp moves by at most the row's largest logit difference, so a log-prob by at most twice it.
+def logprobs_fp32_atol(logits: torch.Tensor) -> float:
+    return 2 * (LOGITS_FP32_ATOL + LOGITS_FP32_RTOL * logits.abs().max().item())
+
+
 # Layer-level fp32 parity (one module, no depth to accumulate error): a few fp32 ulps of O(1) values.
 LAYER_FP32_ATOL = 1e-5
 LAYER_FP32_RTOL = 1e-5
