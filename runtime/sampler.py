@@ -5,9 +5,12 @@ that a CUDA graph captures it with the step that makes the logits.
     sampler = Sampler(rows=16, vocab_size=V, device=device)
     sampler.set_row(row, params, seed, seen_ids)     # at admission (the engine) or once (generate)
     tokens = sampler(logits, rows, how)              # [B]; each row's state advances by its token
+    tokens = sampler(logits, rows, how, masked=True) # only among the tokens each row's mask allows
 
 The sampler holds each row's state: its parameters, its seed, the tokens it has drawn (its step)
-and, for the penalties, the tokens it has seen. ops/sampling/ chooses the tokens from that state:
+and, for the penalties, the tokens it has seen, and the tokens its grammar allows next
+(runtime/grammar.py: every token, unless a caller writes a mask with `allow_rows` before a
+step). ops/sampling/ chooses the tokens from that state:
 transformers' filters, and a draw from counter-based random numbers, so that a row's n-th token
 depends on its logits, its seed and n, never on the rest of the batch.
 
@@ -22,6 +25,7 @@ import torch
 
 from ops.sampling import NEUTRAL, PARAMS, choose_tokens, fused_supports
 
+from .grammar import allow, mask_words
 from .sampling import SamplingParams
 
 HOWS = ("greedy", "fused", "reference")
@@ -44,6 +48,8 @@ class Sampler:
         self.steps = torch.zeros(rows + 1, dtype=torch.long, device=device)  # tokens drawn so far per row
         self.seen = torch.zeros(rows + 1, vocab_size, dtype=torch.bool, device=device) if penalties else None
         self.true = torch.ones((), dtype=torch.bool, device=device)  # written without a host copy (graphs)
+        # The tokens each row may choose next, 32 to an int32 word (-1: all 32 allowed)
+        self.allowed = torch.full((rows + 1, mask_words(vocab_size)), -1, dtype=torch.int32, device=device)
 
     @staticmethod
     def how(params: list[SamplingParams], fused: bool) -> str:
@@ -68,6 +74,7 @@ class Sampler:
         # waits for every step in flight (the engine's host would stall behind the GPU).
         self.seeds[row].fill_(seed)
         self.steps[row].fill_(step)
+        self.allowed[row].fill_(-1)
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):
@@ -78,11 +85,19 @@ class Sampler:
         """data as a host tensor, pinned when the tables are on a GPU."""
         return torch.tensor(data, pin_memory=self.params.device.type == "cuda")
 
-    def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
+    def allow_rows(self, rows: torch.Tensor, words: torch.Tensor) -> None:
+        """Rows `rows` (on the device) may choose only the tokens of words [len(rows), W] (host int32,
+        pinned on CUDA: the copy is queued behind the step in flight) in their masked steps."""
+        self.allowed[rows] = words.to(self.allowed.device, non_blocking=True)
+
+    def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str, masked: bool = False) -> torch.Tensor:
         """Tokens [B] for logits [B, V] of sampler rows `rows` [B] (long, on the device); the rows'
-        state is read, not advanced (a warm-up before a graph capture calls this)."""
+        state is read, not advanced (a warm-up before a graph capture calls this). masked: only
+        among the tokens each row's mask allows."""
         if logits.shape[-1] != self.vocab_size:  # the kernels index the seen tokens by the logits' width
             raise ValueError(f"logits of {logits.shape[-1]} tokens for a sampler of {self.vocab_size}")
+        if masked:
+            logits = allow(logits, self.allowed[rows])
         if how == "greedy":
             return logits.argmax(-1)  # exact in any dtype: no float copy of [B, V]
         if how not in HOWS:
@@ -95,8 +110,8 @@ class Sampler:
         if self.seen is not None:
             self.seen.index_put_((rows, tokens), self.true)
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
-        tokens = self.choose(logits, rows, how)
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, how: str, masked: bool = False) -> torch.Tensor:
+        tokens = self.choose(logits, rows, how, masked)
         if how != "greedy":  # greedy rows use no state: a row's parameters are its own for its life
             self.advance(rows, tokens)
         return tokens

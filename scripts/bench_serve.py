@@ -14,7 +14,7 @@ values together; a single value serves every setting; temperature 0 is greedy), 
 with a seed of its own. total_tok_s = generated tokens (usage) / wall time of the level;
 ttft = time from sending a request to its first streamed chunk (its first token's).
 Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "temperature",
-"top_p", "top_k", "prompt_tokens", "output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99",
+"top_p", "top_k", ("logprobs",) "prompt_tokens", "output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99",
 "requests", "failed"}]}.
 """
 
@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0: greedy")
     p.add_argument("--top-p", type=float, nargs="+", default=[1.0])
     p.add_argument("--top-k", type=int, nargs="+", default=[0])
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks for its tokens' log-probabilities and this many top ones")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids drawn below this (default: the model's)")
     p.add_argument("--device", default=None)
@@ -79,7 +81,9 @@ def sampling_settings(args) -> list[dict]:
     n = max(len(values) for values in columns.values())
     if any(len(values) not in (1, n) for values in columns.values()):
         sys.exit(f"--temperature, --top-p and --top-k take one value or {n} each")
-    return [{name: values[i if len(values) > 1 else 0] for name, values in columns.items()} for i in range(n)]
+    extra = {"logprobs": args.logprobs} if args.logprobs is not None else {}
+    return [{**{name: values[i if len(values) > 1 else 0] for name, values in columns.items()}, **extra}
+            for i in range(n)]
 
 
 def random_checkpoint(name: str, directory: Path) -> Path:

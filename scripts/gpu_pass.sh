@@ -2,7 +2,8 @@
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
-#                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [scenarios] [engine] [tp]
+#                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [serve-logprobs] [structured]
+#                                  [scenarios] [engine] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
@@ -26,6 +27,10 @@
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
+# structured: scripts/bench_structured.py at the 0.6B config: 64 requests at once, each constrained to a
+#        random JSON schema, against the same 64 unconstrained, into OUT/structured.log (about a minute).
+# serve-logprobs: serve-256 twice in a row, without log-probabilities and with `logprobs: 5` on every
+#        request, into OUT/serve-logprobs-{none,5}.json (about three minutes).
 # scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
 #        off, then long prompts (16k, 32k) among 64 streams, into OUT/scenarios-*.json (about 4 minutes).
 # extend-attention: scripts/bench_extend_attention.py: the paged chunk-attention kernel's tile configurations
@@ -99,6 +104,16 @@ for stage in $stages; do
       timeout 200 python scripts/bench_serve.py --config 0.6b --concurrency 256 --client-processes 8 \
         ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-256.json" --server-log "$out/server-256.log" > "$out/serve-256.log" 2>&1
       grep '^{' "$out/serve-256.log" ;;
+    serve-logprobs)
+      for lp in none 5; do
+        timeout 200 python scripts/bench_serve.py --config 0.6b --concurrency 256 --client-processes 8 \
+          $([ $lp = none ] || echo --logprobs $lp) ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-logprobs-$lp.json" \
+          --server-log "$out/server-logprobs-$lp.log" > "$out/serve-logprobs-$lp.log" 2>&1
+        grep '^{' "$out/serve-logprobs-$lp.log"
+      done ;;
+    structured)
+      timeout 300 python scripts/bench_structured.py --config 0.6b --requests 64 --output 256 > "$out/structured.log" 2>&1
+      tail -n 3 "$out/structured.log" ;;
     scenarios)
       timeout 200 python scripts/bench_scenarios.py --config 0.6b --scenario multi_turn ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/scenarios-multi-turn.json" > "$out/scenarios.log" 2>&1

@@ -27,6 +27,14 @@ preempted one is not prefilled again while a token of its is in flight, so a seq
 are read in order, once. Freed blocks can be handed out at once: every step runs on one CUDA
 stream, so a block's next owner writes it after the in-flight step that may still write it.
 
+Constrained decoding (a request's `grammar`: runtime/grammar.py): its sequence's mask of allowed
+tokens is written before each of its steps, and the step chooses among them. The mask needs the
+token before, so while a constrained sequence runs, a step first waits for the previous step's
+tokens and hands the constrained sequences' to their grammars (the GPU then idles while the host
+writes the masks; the rest of the work on those tokens still overlaps the step), and a
+constrained sequence whose prefill has just launched joins the decode steps one step later. Its
+grammar compiles in a worker thread while it waits; it is admitted once that is done.
+
 Prefix caching: every full block of a sequence (its prompt's, and its generated tokens') is
 registered under the hash chain of its tokens once they are written, and stays cached when the
 sequence ends, until a new block is needed and no free one is left (least recently freed first).
@@ -57,6 +65,7 @@ callback, called during `step`.
 
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -70,6 +79,7 @@ from ops import resolve_kernels
 from runtime.blocks import block_keys
 from runtime.cache import PagedKVCache
 from runtime.generate import resolve_eos
+from runtime.grammar import Grammars
 from runtime.graphs import resolve_cuda_graph
 from runtime.logprobs import Logprobs, TokenLogprobs, keep, token_logprobs
 from runtime.sampler import Sampler, random_seed
@@ -155,6 +165,7 @@ class Engine:
                                  cuda_graph, self.fused)
         self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph, extend_graph=self.fused)
         self.prefix_cache = prefix_cache
+        self.grammars: Grammars | None = None  # made with the first constrained request
         self.prompt_tokens = 0  # prompt tokens of every admission (a preempted sequence's each time)
         self.hit_tokens = 0  # of those, the ones found in the cache (prefix caching)
 
@@ -192,6 +203,8 @@ class Engine:
     def check(self, request: Request) -> None:
         """ValueError naming the numbers unless the request can ever run."""
         check_request(request, self.limits)
+        if request.grammar is not None and self.tokenizer is None:
+            raise ValueError("a grammar needs the engine's tokenizer (Engine(model, tokenizer))")
 
     def submit(self, request: Request, on_output: Callable[[Output], None] | None = None) -> int:
         """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
@@ -238,6 +251,7 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         previous, self.in_flight = self.in_flight, []
+        self._match(previous)
         self._launch_prefills()
         self._launch_decode()
         for launched in previous:  # read while the prefills and the decode step just launched run
@@ -262,6 +276,10 @@ class Engine:
         )
 
     def _enqueue(self, seq: Sequence) -> None:
+        if seq.request.grammar is not None:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos))
+            seq.matcher = self.grammars.matcher(seq.request.grammar)
         self.sequences[seq.id] = seq
         self.waiting.append(seq)
 
@@ -305,6 +323,10 @@ class Engine:
                 break
             if self.prefix_cache and self._next_key(seq, lookup=True) in computing:
                 break
+            if seq.matcher is not None and not self._grammar_ready(seq):
+                if seq.finish_reason is None:
+                    break  # compiling: a few milliseconds
+                continue  # failed, and finished
             if not self._admit(seq):
                 break
             take(seq)
@@ -323,6 +345,32 @@ class Engine:
                 pack_tokens = chunk[1]
         for pack in packs:
             self._prefill(pack)
+
+    def _match(self, launched_steps: list[LaunchedStep]) -> None:
+        """Hand the tokens of the launched steps to the grammars of their constrained sequences
+        (waiting for those steps), so that their next masks can be written."""
+        for launched in launched_steps:
+            constrained = [i for i, s in enumerate(launched.seqs) if s.matcher is not None and s.unmatched]
+            if not constrained:
+                continue
+            if launched.ready is not None:
+                launched.ready.synchronize()
+            tokens = launched.tokens.tolist()
+            for i in constrained:
+                launched.seqs[i].matcher.accept(tokens[i])
+                launched.seqs[i].unmatched -= 1
+
+    def _grammar_ready(self, seq: Sequence) -> bool:
+        """Whether the sequence's grammar is compiled; one that failed to compile ends it ("error")."""
+        if not seq.matcher.ready():
+            return False
+        try:
+            seq.matcher.start()
+        except Exception as err:  # the server checks every grammar first: a bug, or a limit of xgrammar's
+            print(f"request {seq.id}: its grammar did not compile: {err}", file=sys.stderr)
+            self._finish(seq, "error")
+            return False
+        return True
 
     def _admit(self, seq: Sequence) -> bool:
         """Give the sequence at the head of the queue a row, and blocks for its tokens and the next
@@ -369,7 +417,7 @@ class Engine:
         rows = self._on_device([s.row for s in finished])
         if len(done) < len(pack):
             logits = logits[self._on_device(done)]
-        tokens = self.sampler(logits, rows, self._how(finished))
+        tokens = self.sampler(logits, rows, self._how(finished), self._allow(finished))
         self.last_token[rows] = tokens
         self._send_back(finished, tokens, token_logprobs(logits, tokens) if self._logprobs(finished) else None)
 
@@ -427,7 +475,9 @@ class Engine:
         """Launch a decode step over the running sequences that have tokens left to make (a
         sequence whose last token is still in flight counts it), if there are any."""
         self._grow()
-        seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens]
+        seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens
+                # a constrained one's mask needs its grammar to have its last token, and to go on
+                and not s.unmatched and not (s.matcher is not None and s.matcher.terminated)]
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))
@@ -436,7 +486,7 @@ class Engine:
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
         tokens, logprobs = self.decode(self._on_device(rows), positions,
                                        self._on_device(self.block_rows[rows, :width]), self._how(seqs),
-                                       self._logprobs(seqs))
+                                       self._logprobs(seqs), self._allow(seqs))
         for s in seqs:
             s.cached += 1
         self._send_back(seqs, tokens, logprobs)
@@ -446,6 +496,7 @@ class Engine:
         host; the next step reads them."""
         for s in seqs:
             s.unread += 1
+            s.unmatched += s.matcher is not None
         ready = None  # the CPU's tokens are there already
         if tokens.device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)
@@ -479,6 +530,19 @@ class Engine:
         """How the sampler chooses these sequences' tokens (Sampler.how: greedy, fused, reference)."""
         return Sampler.how([s.request.params for s in seqs], self.fused)
 
+    def _allow(self, seqs: list[Sequence]) -> bool:
+        """Write the masks of the constrained sequences among seqs (each its grammar's next tokens)
+        to their sampler rows; whether there are any (the step is then a masked one)."""
+        constrained = [s for s in seqs if s.matcher is not None]
+        if not constrained:
+            return False
+        words = torch.empty(len(constrained), self.sampler.allowed.shape[1], dtype=torch.int32,
+                            pin_memory=self.device.type == "cuda")
+        for i, s in enumerate(constrained):
+            s.matcher.fill(words, i)
+        self.sampler.allow_rows(self._on_device([s.row for s in constrained]), words)
+        return True
+
     @staticmethod
     def _logprobs(seqs: list[Sequence]) -> bool:
         """Whether a step over these sequences returns its tokens' log-probabilities: one asks."""
@@ -489,6 +553,12 @@ class Engine:
         seq.ids.append(token)
         self._register_blocks(seq)
         reason = seq.read(token)
+        if seq.matcher is not None:  # its grammar has taken the token (_match)
+            if seq.matcher.rejected:  # masked out: a bug, never the request's fault
+                print(f"request {seq.id}: token {token} is not one its grammar allows", file=sys.stderr)
+                reason = "error"
+            elif reason is None and seq.matcher.terminated:  # complete, and a stop token taken (ignore_eos)
+                reason = "stop"
         lp = [logprobs] if logprobs is not None else None
         if reason is not None:
             self._finish(seq, reason, token, lp)

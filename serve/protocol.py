@@ -3,7 +3,7 @@
 Every field is checked strictly (`max_tokens: true` or `"temperature": "0.5"` is a 400, not 1 or
 0.5), and a refusal names the field as the API does (`prompt`, `messages[0].content`). Three kinds
 of fields beyond the ones the server implements:
-- defined by OpenAI's API but not implemented here (response_format, best_of, a forced tool call...):
+- defined by OpenAI's API but not implemented here (best_of, echo, logit_bias...):
   a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
   never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
 - defined by the API and accepted whatever they hold, because they do not change the answer
@@ -78,10 +78,23 @@ class SamplingFields(Strict):
     user: Any = None  # IGNORED
 
 
+class JSONSchema(Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow pydantic's own
+    strict: bool | None = None  # always: the output follows the schema by construction
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     # each token's log-probability and those of the `logprobs` most likely (vLLM's bound, above OpenAI's 5)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None  # vLLM's extension of completions, as chat's
     best_of: Any = None  # UNSUPPORTED unless 1
     echo: Any = None
     suffix: Any = None
@@ -127,7 +140,7 @@ class FunctionDefinition(Strict):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template
-    strict: Any = None  # UNSUPPORTED unless false: a schema-exact call needs constrained decoding
+    strict: bool | None = None  # its calls follow the parameters schema exactly (constrained decoding)
 
 
 class Tool(Strict):
@@ -151,10 +164,10 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None  # each token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and those of the most likely, with logprobs
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # UNSUPPORTED: required, named
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
     audio: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
@@ -177,12 +190,8 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logit_bias": (({},), "no bias on token logits"),
     "echo": ((False,), "the prompt is not echoed"),
     "suffix": (("",), "fill-in-the-middle is not implemented"),
-    "tool_choice": (("none", "auto"), "a call forced by 'required' or a named function needs constrained "
-                    "decoding, not implemented yet: use 'auto'"),
-    "strict": ((False,), "a call exactly to the schema needs constrained decoding, not implemented yet"),
     "functions": (([],), "function calling is not implemented: use tools"),
     "function_call": (("none",), "function calling is not implemented: use tools and tool_choice"),
-    "response_format": (({"type": "text"},), "structured output is not implemented yet: the answer is plain text"),
     "audio": ((), "text only"),
     "modalities": ((["text"],), "text only"),
     "reasoning_effort": ((), 'thinking is switched with chat_template_kwargs {"enable_thinking": false}'),
@@ -209,20 +218,15 @@ def is_off(value: Any, allowed: tuple) -> bool:
     return value is None or any(type(value) is type(a) and value == a for a in allowed)
 
 
-def refuse_unsupported(model: BaseModel, path: str = "", names: tuple[str, ...] | None = None) -> None:
-    """OpenAIError(400) naming the first field that asks for what the server does not implement
-    (of `names` only, when given: a tool's function has a name that is not a message's)."""
+def refuse_unsupported(model: BaseModel, path: str = "") -> None:
+    """OpenAIError(400) naming the first field that asks for what the server does not implement."""
     for name, (allowed, instead) in UNSUPPORTED.items():
-        if names is not None and name not in names:
-            continue
         if name in type(model).model_fields and not is_off(value := getattr(model, name), allowed):
             where = f"{path}.{name}" if path else name
             raise OpenAIError(400, f"'{where}' is not supported by this server: {instead}; got {short(value)}",
                               param=where, code="unsupported_parameter")
     for i, message in enumerate(getattr(model, "messages", None) or []):
         refuse_unsupported(message, f"messages[{i}]")
-    for i, tool in enumerate(getattr(model, "tools", None) or []):
-        refuse_unsupported(tool.function, f"tools[{i}].function", names=("strict",))
 
 
 # Fields whose type is a union: a value of none of its kinds is described here, not by each member's error.
@@ -234,8 +238,9 @@ KINDS = {
 # Every field name of the request models: what is not one in a pydantic error location is the tag of
 # a union's member ("str", "list[int]").
 FIELD_NAMES = {name for model in (CompletionRequest, ChatRequest, Message, TextPart, StreamOptions, Tool,
-                                   FunctionDefinition, NamedToolChoice, NamedFunction, MessageToolCall, FunctionCall)
-               for name in model.model_fields}
+                                   FunctionDefinition, NamedToolChoice, NamedFunction, MessageToolCall, FunctionCall,
+                                   ResponseFormat, JSONSchema)
+               for name in model.model_fields} | {"schema"}  # JSONSchema.schema_'s name in the API
 
 
 def field_path(loc: tuple) -> str:

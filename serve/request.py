@@ -22,6 +22,8 @@ class Request:
     eos_ids: tuple[int, ...] | None = None  # stop tokens; None: the engine's (the checkpoint's)
     # Each token's log-probability and the `logprobs` most likely tokens' (runtime/logprobs.py); None: none
     logprobs: int | None = None
+    # The output's grammar: an xgrammar structural tag's JSON (runtime/grammar.py); None: free text
+    grammar: str | None = None
 
 
 @dataclass

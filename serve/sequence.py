@@ -4,6 +4,7 @@ text as it is handed out (stop tokens, max_tokens and stop strings applied as to
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from runtime.grammar import Matcher
 from runtime.text import TextStream
 
 from .request import Output, Request
@@ -27,6 +28,8 @@ class Sequence:
     unread: int = 0  # launched prefills and decode steps whose token for it is not read yet
     keys: list[bytes] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
     registered: int = 0  # of its blocks, the first this many are registered (prefix caching)
+    matcher: Matcher | None = None  # its grammar's state (constrained decoding)
+    unmatched: int = 0  # launched tokens its grammar has not taken yet
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.request.prompt_ids)

@@ -66,16 +66,18 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from runtime.grammar import check_spec, structural_tag
 from runtime.reasoning import OPEN, ReasoningSplitter
 from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
 from .choices import Choice, LogprobsWriter
+from .constraints import json_format, reasoning_of, response_grammar, tool_grammar
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
+from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
 from .streams import EventStream, Outbox, Outputs, event
 
@@ -160,7 +162,8 @@ class Server:
                               param="model", code="model_not_found")
 
     def engine_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                       default_max_tokens: int, logprobs: int | None = None) -> EngineRequest:
+                       default_max_tokens: int, logprobs: int | None = None,
+                       grammar: str | None = None) -> EngineRequest:
         try:
             params = sampling_params(
                 self.generation_config, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -172,7 +175,7 @@ class Server:
             max_tokens = default_max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         request = EngineRequest(prompt_ids, max_tokens, params, seed=req.seed, stop=tuple(stop),
-                                eos_ids=() if req.ignore_eos else None, logprobs=logprobs)
+                                eos_ids=() if req.ignore_eos else None, logprobs=logprobs, grammar=grammar)
         try:
             self.engine.check(request)
         except ValueError as err:  # ParameterError names the field
@@ -226,6 +229,40 @@ class Server:
         except Exception as err:  # a template's own error (jinja raises its own types)
             raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def grammar(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
+        """The grammar the reply must follow (serve/constraints.py), or None; a 400 naming the field
+        whose schema xgrammar cannot build, or a forced tool_choice that names no tool offered."""
+        reasoning = "none"
+        if chat:
+            reasoning = reasoning_of(self.tokenizer.chat_template, self.tokenizer.decode(prompt_ids[-8:]))
+        spec, fmt = None, req.response_format
+        if fmt is not None and fmt.type != "text":
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            if fmt.type == "json_schema" and schema is None:
+                raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
+                                  param="response_format.json_schema")
+            spec = response_grammar(fmt.type, schema, reasoning)
+            checked(spec, "response_format.json_schema.schema")
+        tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
+        if isinstance(choice, NamedToolChoice):
+            choice = choice.function.name
+            if choice not in {t.function.name for t in tools}:
+                raise OpenAIError(400, f"tool_choice names the function {choice!r}, which is not among the tools "
+                                  "of the request", param="tool_choice")
+        if choice == "required" and not tools:
+            raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
+                             choice, reasoning)
+        if calls is not None:
+            if spec is not None:
+                raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
+                                  "ask for one of them", param="response_format")
+            for i, tool in enumerate(tools):
+                if tool.function.parameters is not None:
+                    checked(structural_tag(json_format(tool.function.parameters)), f"tools[{i}].function.parameters")
+            spec = calls
+        return spec
 
     def reply_parser(self, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
         """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
@@ -389,6 +426,14 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
+def checked(spec: str, where: str) -> None:
+    """A 400 naming the field unless xgrammar can build the grammar of spec."""
+    try:
+        check_spec(spec)
+    except ValueError as err:
+        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {err}", param=where) from None
+
+
 def json_object(arguments: str, where: str) -> dict:
     """A history's tool call arguments as the object the chat template writes, or a 400 naming it."""
     try:
@@ -482,7 +527,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         server.check_model(req.model)
         ids = server.completion_prompt(req)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
-                                               logprobs=req.logprobs)
+                                               logprobs=req.logprobs, grammar=server.grammar(req, ids, chat=False))
         return await server.run(request, engine_request, req)
 
     @app.post("/v1/chat/completions")
@@ -500,7 +545,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
-                                               logprobs=logprobs)
+                                               logprobs=logprobs, grammar=server.grammar(req, ids, chat=True))
         return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
 
     return app

@@ -36,9 +36,10 @@ class DecodeStep:
     smallest batch bucket >= B (runtime/graphs.py), its padding rows on the scratch row and slot.
     A graph per way of choosing (Sampler.how): greedy steps and sampling ones, each captured at
     start; a third (the reference sampler beside the fused kernels) the first time it is needed.
-    Steps that also return the tokens' log-probabilities (runtime/logprobs.py) are graphs of
-    their own, each captured the first time a request asks for them: the steps of requests that
-    do not ask compute none."""
+    Steps that also return the tokens' log-probabilities (runtime/logprobs.py), and steps whose
+    rows choose among the tokens their grammars allow (masked: runtime/grammar.py), are graphs
+    of their own, each captured the first time a request asks for them: the steps of requests
+    that do not ask compute none of it."""
 
     def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
                  table_width: int, graph: bool, fused: bool):
@@ -51,39 +52,40 @@ class DecodeStep:
         self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.runners: dict[tuple[str, bool], GraphRunner] = {}
+        self.runners: dict[tuple[str, bool, bool], GraphRunner] = {}
         for how in ("greedy", "fused" if fused else "reference"):
-            self.runner(how, False)
+            self.runner(how, False, False)
 
-    def runner(self, how: str, logprobs: bool) -> GraphRunner:
+    def runner(self, how: str, logprobs: bool, masked: bool) -> GraphRunner:
         """The steps that choose tokens `how`, captured the first time they are asked for. Every row
         is padding while capturing (the scratch row, valid False, block 0): the warm-up and capture
         runs write to the cache's scratch slot and the sampler's scratch row only, also when a
         runner is captured while sequences run (their rows' buffers are refilled after)."""
-        if (how, logprobs) not in self.runners:
+        key = how, logprobs, masked
+        if key not in self.runners:
             self.rows.fill_(self.sampler.scratch)
             self.valid.fill_(False)
             self.positions.zero_()
             self.block_table.zero_()
-            step = lambda n: self._step(n, how, logprobs)  # noqa: E731
-            runner = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
-            self.runners[how, logprobs] = runner
-        return self.runners[how, logprobs]
+            step = lambda n: self._step(n, how, logprobs, masked)  # noqa: E731
+            self.runners[key] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
+        return self.runners[key]
 
-    def _step(self, n: int, how: str, logprobs: bool) -> tuple[torch.Tensor, Logprobs | None]:
+    def _step(self, n: int, how: str, logprobs: bool, masked: bool) -> tuple[torch.Tensor, Logprobs | None]:
         rows = self.rows[:n]
         meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
                                self.cu_seqlens[: n + 1])
         logits = self.model(self.last_token[rows], self.positions[:n], meta)
-        tokens = self.sampler(logits, rows, how)
+        tokens = self.sampler(logits, rows, how, masked)
         self.last_token[rows] = tokens
         return tokens, token_logprobs(logits, tokens) if logprobs else None
 
     def __call__(self, rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                 how: str, logprobs: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
-        """The next tokens [B] of the rows, and with `logprobs` their log-probabilities."""
+                 how: str, logprobs: bool = False, masked: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
+        """The next tokens [B] of the rows (masked: among the tokens the sampler's masks allow),
+        and with `logprobs` their log-probabilities."""
         B = rows.shape[0]
-        runner = self.runner(how, logprobs)
+        runner = self.runner(how, logprobs, masked)
         bucket = runner.bucket(B)
         self.rows[:B].copy_(rows)
         self.positions[:B].copy_(positions)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from checkpoints import CHAT_TEMPLATE
 
 from qwen3 import Qwen3ForCausalLM
 from runtime.generate import resolve_eos
@@ -101,6 +102,20 @@ def serving(model_dir: Path, folder: Path, *flags: str):
         yield served
     finally:
         served.stop()
+
+
+def with_chat_template(path: Path) -> Path:
+    """The shipped model in path (linked) with a Qwen3-style chat template added to its tokenizer
+    (the shipped model is a base model: tests/test_server_faults.py's server shows how it refuses
+    chat requests)."""
+    from runtime.text import load_tokenizer
+
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (path / name).symlink_to(SHIPPED / name)
+    tok = load_tokenizer(SHIPPED)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    return path
 
 
 def load_serve_py():

@@ -15,7 +15,6 @@ import openai
 import pytest
 import torch
 import transformers
-from checkpoints import CHAT_TEMPLATE
 from servers import (
     NAME,
     REQUEST_TIMEOUT_S,
@@ -26,6 +25,7 @@ from servers import (
     load_serve_py,
     serving,
     wait_until_idle,
+    with_chat_template,
 )
 from tolerances import LOGITS_FP32_ATOL, logprobs_fp32_atol
 
@@ -36,15 +36,7 @@ MAX_BATCH, MAX_WAITING = 16, 4
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """The shipped model with a Qwen3-style chat template added to its tokenizer (the shipped model
-    is a base model: tests/test_server_faults.py's server shows how it refuses chat requests)."""
-    path = tmp_path_factory.mktemp("chat-model")
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        (path / name).symlink_to(SHIPPED / name)
-    tok = load_tokenizer(SHIPPED)
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    return with_chat_template(tmp_path_factory.mktemp("chat-model"))
 
 
 @pytest.fixture(scope="module")

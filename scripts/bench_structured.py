@@ -1,0 +1,119 @@
+"""Structured output's cost: random JSON schemas through the serving engine in one process, each
+request constrained to its schema, against the same requests unconstrained, in one run.
+
+    python scripts/bench_structured.py                      # the shipped model on the CPU, 50 schemas
+    python scripts/bench_structured.py --config 0.6b --requests 64 --output 256   # a GPU, random weights
+
+Every request is admitted at once (one engine of max_batch --requests), greedy, up to --output
+tokens. Prints one JSON line: the tokens and tok/s of each run, the ratio, and how many
+constrained outputs parse and validate against their schemas (jsonschema) or were cut by
+--output. The schemas (`random_schema`, also the tests' source) nest objects and arrays, with
+enums, required fields, integers, numbers, booleans and strings of bounded length.
+"""
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qwen3 import Qwen3ForCausalLM  # noqa: E402
+from runtime.grammar import structural_tag  # noqa: E402
+from runtime.sampling import SamplingParams  # noqa: E402
+from runtime.text import load_tokenizer  # noqa: E402
+from serve.constraints import json_format  # noqa: E402
+from serve.engine import Engine, Request  # noqa: E402
+
+SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
+WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "north", "south", "yes", "no"]
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of an object: 1-4 properties, each a scalar, an enum, an array or (above depth
+    2, not at all) a nested object; some of them required."""
+    def value(depth: int) -> dict:
+        kinds = ["integer", "number", "boolean", "string", "enum", "array"] + (["object"] if depth < 2 else [])
+        kind = rng.choice(kinds)
+        if kind == "string":
+            return {"type": "string", "maxLength": rng.randint(1, 12)}
+        if kind == "enum":
+            return {"enum": rng.sample(WORDS, rng.randint(2, 4))}
+        if kind == "array":
+            return {"type": "array", "items": value(depth + 1), "maxItems": rng.randint(1, 3)}
+        if kind == "object":
+            return random_schema(rng, depth + 1)
+        return {"type": kind}
+
+    names = rng.sample(WORDS, rng.randint(1, 4))
+    properties = {name: value(depth) for name in names}
+    required = [name for name in names if rng.random() < 0.6]
+    return {"type": "object", "properties": properties, "required": required}
+
+
+def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], int, float]:
+    """Each request's text and finish reason, the tokens generated, the seconds."""
+    outputs = [[] for _ in requests]
+    for request, out in zip(requests, outputs):
+        engine.add(request, out.append)
+    start = time.perf_counter()
+    engine.run()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    texts = ["".join(o.text for o in out) for out in outputs]
+    return texts, [out[-1].finish_reason for out in outputs], sum(out[-1].completion_tokens for out in outputs), seconds
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=["0.6b", "8b"], help="random weights of this Qwen3 architecture "
+                   "(default: the shipped model)")
+    p.add_argument("--requests", type=int, default=50)
+    p.add_argument("--output", type=int, default=200, help="tokens per request at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    import jsonschema
+
+    device = torch.device(args.device)
+    tokenizer = load_tokenizer(SHIPPED)
+    if args.config:
+        from bench_generate import build  # scripts/ is on the path of a script run
+
+        _, model = build(args.config, device, torch.bfloat16, "auto")
+    else:
+        model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, device=device, progress=False)
+    rng = random.Random(args.seed)
+    schemas = [random_schema(rng) for _ in range(args.requests)]
+    prompt = tokenizer("Reply with a JSON object:\n", add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(temperature=0.0)
+    engine = Engine(model, tokenizer, max_batch=args.requests,
+                    n_blocks=args.requests * -(-(len(prompt) + args.output + 1) // 16) + 16)
+    warm = [Request(prompt, 4, greedy, grammar=structural_tag(json_format(schemas[0])))]
+    run(engine, warm + [Request(prompt, 4, greedy)])  # compile kernels, capture graphs
+    free = [Request(prompt, args.output, greedy, eos_ids=()) for _ in schemas]
+    constrained = [Request(prompt, args.output, greedy, grammar=structural_tag(json_format(s))) for s in schemas]
+    _, _, free_tokens, free_s = run(engine, free)
+    texts, reasons, tokens, seconds = run(engine, constrained)
+    valid = 0
+    for text, schema in zip(texts, schemas):
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    print(json.dumps({
+        "model": args.config or SHIPPED.name, "device": str(device), "requests": args.requests,
+        "free_tokens": free_tokens, "free_tok_s": round(free_tokens / free_s, 1),
+        "constrained_tokens": tokens, "constrained_tok_s": round(tokens / seconds, 1),
+        "ratio": round((tokens / seconds) / (free_tokens / free_s), 3),
+        "valid": valid, "cut_by_output": reasons.count("length"),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""What a request's output must follow, as the grammar the engine constrains it with
+(runtime/grammar.py): `response_format`'s JSON, and tool calls forced by `tool_choice` ("required",
+a named function) or by `strict` tools, in Qwen3's formats, after the reasoning block where the
+model reasons first.
+
+    reasoning = reasoning_of(template, prompt_tail)              # "none", "first" or "inside"
+    spec = response_grammar(response_format, reasoning)          # None: free text
+    spec = tool_grammar(tools, tool_choice, reasoning)
+
+The reasoning block, from the prompt as the chat template ended it: none when the template has
+no think tags or closed an empty block (thinking off); "first" when the model opens it itself
+(Qwen3 with thinking on): `<think>` any text `</think>`, then the answer; "inside" when the
+prompt opened it (the thinking-only 2507 models): any text, `</think>`, then the answer. A tool
+call is Qwen3's (hermes) format, as its chat template asks for it and serve/reply.py parses it:
+`<tool_call>\n{"name": "NAME", "arguments": ARGUMENTS}\n</tool_call>`, the arguments following the
+tool's parameters schema.
+"""
+
+from runtime.grammar import structural_tag
+from runtime.reasoning import CLOSE, OPEN
+
+# Whitespace between two JSON tokens: one character at most (a space or a newline, never a run):
+# models, small ones most, that favour blank space otherwise write it until max_tokens (vLLM has
+# disable_any_whitespace for the same reason). The JSON stays valid, written without indentation.
+MAX_WHITESPACE = 1
+THINK_TAGS = [OPEN, CLOSE]  # never inside the reasoning's text or the answer's
+
+
+def reasoning_of(template: str | None, prompt_tail: str) -> str:
+    """How the reply's reasoning block stands, from the template and the prompt's last text."""
+    if not template or OPEN not in template:
+        return "none"
+    tail = prompt_tail.rstrip()
+    if tail.endswith(OPEN):
+        return "inside"
+    return "none" if tail.endswith(CLOSE) else "first"
+
+
+def after_reasoning(answer: dict, reasoning: str) -> str:
+    """The structural tag of a reply: the reasoning block as `reasoning` says, then answer."""
+    if reasoning == "none":
+        return structural_tag(answer)
+    block = {"type": "tag", "begin": OPEN if reasoning == "first" else "",
+             "content": {"type": "any_text", "excludes": THINK_TAGS}, "end": CLOSE}
+    return structural_tag({"type": "sequence", "elements": [block, {"type": "const_string", "value": "\n\n"},
+                                                             answer]})
+
+
+def json_format(schema: dict | bool) -> dict:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+
+
+def response_grammar(kind: str, schema: dict | None, reasoning: str) -> str | None:
+    """response_format's: "json_object" (any JSON object) or "json_schema" (that schema); "text": None."""
+    if kind == "text":
+        return None
+    return after_reasoning(json_format(schema if kind == "json_schema" else {"type": "object"}), reasoning)
+
+
+def tool_call(name: str, parameters: dict | None) -> dict:
+    """One call of the named tool, its arguments following its parameters (any object without)."""
+    return {"type": "tag", "begin": '<tool_call>\n{"name": "' + name + '", "arguments": ',
+            "content": json_format(parameters if parameters is not None else {"type": "object"}),
+            "end": "}\n</tool_call>"}
+
+
+def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reasoning: str) -> str | None:
+    """tools: (name, parameters, strict) of each tool offered. choice: "required" (one call or more,
+    of any of them), a tool's name (one call of it), "auto" (text, or calls: constrained only when a
+    tool is strict, and then every call follows its tool's schema) or "none" (None)."""
+    if choice == "none" or not tools or (choice == "auto" and not any(strict for _, _, strict in tools)):
+        return None
+    names = {name: parameters for name, parameters, _ in tools}
+    if choice in ("auto", "required"):
+        calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "excludes": THINK_TAGS,
+                 "tags": [tool_call(name, parameters) for name, parameters in names.items()],
+                 "at_least_one": choice == "required"}
+        return after_reasoning(calls, reasoning)
+    return after_reasoning(tool_call(choice, names[choice]), reasoning)

@@ -1,0 +1,209 @@
+"""Structured output: the grammars of serve/constraints.py, the engine choosing among the tokens a
+grammar allows (serve/engine.py, runtime/grammar.py), and the server's response_format and forced
+tool calls through the official `openai` client, on the shipped model with a chat template.
+
+The reference for which tokens a grammar allows is xgrammar itself (a matcher of the test's own);
+for the model's choice among them, transformers' model of the same checkpoint."""
+
+import asyncio
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+import transformers
+import xgrammar
+from conftest import use_path
+from in_process import load_script
+from servers import NAME, REQUEST_TIMEOUT_S, SHIPPED, error_of, serving, with_chat_template
+from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
+
+from qwen3 import Qwen3ForCausalLM
+from runtime.grammar import structural_tag
+from runtime.sampling import SamplingParams
+from runtime.text import load_tokenizer
+from serve.constraints import json_format, response_grammar, tool_grammar
+from serve.engine import Engine, Request
+
+random_schema = load_script("bench_structured").random_schema
+GREEDY = SamplingParams(temperature=0.0)
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(SHIPPED)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=4096, stop_token_ids=[0])
+    return xgrammar.GrammarCompiler(info)
+
+
+def follows(compiler, tokenizer, spec: str, text: str) -> bool:
+    """Whether the grammar of spec takes text's tokens, then the stop token."""
+    matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(spec))
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(0)
+
+
+def test_the_grammars_take_qwen3s_formats_and_nothing_else(compiler, tokenizer):
+    """A JSON answer after the reasoning block as the prompt left it (the model opens it; the
+    prompt opened it; none), any JSON object, and Qwen3's tool calls: named, required, strict."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    ok = lambda spec, text: follows(compiler, tokenizer, spec, text)  # noqa: E731
+    first = response_grammar("json_schema", schema, "first")
+    assert ok(first, '<think>hm</think>\n\n{"a": 1}')
+    assert not ok(first, '{"a": 1}') and not ok(first, '<think>hm</think>\n\n{"a": "x"}')
+    inside = response_grammar("json_schema", schema, "inside")
+    assert ok(inside, 'hm</think>\n\n{"a": 1}') and not ok(inside, '<think>hm</think>\n\n{"a": 1}')
+    any_object = response_grammar("json_object", None, "none")
+    assert ok(any_object, '{"q": [1, 2]}') and not ok(any_object, "[1]") and not ok(any_object, '{"q":  1}')
+    assert response_grammar("text", None, "none") is None
+
+    tools = [("get_weather", WEATHER, False), ("now", None, False)]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    named = tool_grammar(tools, "get_weather", "none")
+    assert ok(named, call) and not ok(named, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert not ok(named, call.replace('"Paris"', "3"))
+    required = tool_grammar(tools, "required", "first")
+    assert ok(required, "<think>x</think>\n\n" + call) and not ok(required, "<think>x</think>\n\nhello")
+    strict = tool_grammar([("get_weather", WEATHER, True)], "auto", "none")
+    assert ok(strict, "hello") and ok(strict, "hi " + call) and not ok(strict, "hi " + call.replace("Paris", "P" * 11))
+    assert tool_grammar(tools, "auto", "none") is None and tool_grammar(tools, "none", "none") is None
+
+
+def alone(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=[], temperature=0.0,
+                         repetition_penalty=1.0)  # the engine request's: no penalty (the checkpoint has one)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("path, n", [("reference", 40), ("fused", 12)])
+def test_a_constrained_greedy_token_is_transformers_argmax_among_the_allowed(tokenizer, compiler, path, n):
+    """Two constrained requests beside a free one in one batch: each constrained token is the most
+    likely, by transformers' logits of the same checkpoint teacher-forced on the output, of the
+    tokens its grammar allows there (xgrammar's matcher of the test's own); the free request gets
+    what it gets alone. Fused: the Triton sampler, interpreted, over fewer tokens."""
+    model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
+    prompt = tokenizer("def main():\n    config = ", add_special_tokens=False)["input_ids"]
+    schemas = [random_schema(random.Random(seed)) for seed in (1, 2)]
+    specs = [structural_tag(json_format(schema)) for schema in schemas]
+    use_path(model, path)
+    try:
+        engine = Engine(model, tokenizer, max_batch=3, n_blocks=64)
+        outputs = [[] for _ in range(3)]
+        for spec, out in zip([*specs, None], outputs):
+            engine.add(Request(prompt, n, GREEDY, grammar=spec, eos_ids=() if spec is None else None), out.append)
+        engine.run()
+    finally:
+        use_path(model, None)
+    assert [t for o in outputs[2] for t in o.token_ids] == alone(model, prompt, n)
+    for spec, schema, out in zip(specs, schemas, outputs[:2]):
+        tokens = [t for o in out for t in o.token_ids]
+        matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(spec))
+        words = xgrammar.allocate_token_bitmask(1, 4096)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
+        for token, row in zip(tokens, logits):
+            matcher.fill_next_token_bitmask(words, 0)
+            allowed = torch.tensor([(words[0, i // 32] >> (i % 32)) & 1 for i in range(4096)], dtype=torch.bool)
+            best = row.masked_fill(~allowed, float("-inf")).max()
+            assert allowed[token] and row[token] >= best - (LOGITS_FP32_ATOL + LOGITS_FP32_RTOL * best.abs())
+            assert matcher.accept_token(token)
+        if out[-1].finish_reason == "stop":  # complete within n tokens: a JSON document of its schema
+            jsonschema.validate(json.loads("".join(o.text for o in out)), schema)
+    if path == "reference":
+        assert all(out[-1].finish_reason == "stop" for out in outputs[:2])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """serve.py on the shipped weights with a chat template (thinking switched off by the tests)."""
+    path = with_chat_template(tmp_path_factory.mktemp("structured-model"))
+    with serving(path, tmp_path_factory.mktemp("serve"), "--served-model-name", NAME, "--max-batch", "16") as served:
+        yield served.url
+
+
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def chat(**fields) -> dict:
+    return {"model": NAME, "messages": [{"role": "user", "content": "Reply in JSON"}], "max_tokens": 200,
+            "temperature": 0, "extra_body": NO_THINKING, **fields}
+
+
+def test_fifty_random_schemas_each_parse_and_validate(server):
+    """50 random JSON schemas (nested objects, arrays, enums, required fields), all at once: every
+    reply is a JSON document of its schema; a stream's pieces add up to its whole reply."""
+    client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    rng = random.Random(50)
+    schemas = [random_schema(rng) for _ in range(50)]
+
+    async def ask(schema):
+        fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+        return await client.chat.completions.create(**chat(response_format=fmt))
+
+    async def all_of_them():
+        return await asyncio.gather(*(ask(schema) for schema in schemas))
+
+    replies = asyncio.run(all_of_them())
+    for schema, reply in zip(schemas, replies):
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schemas[0]}}
+    pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**chat(response_format=fmt),
+                                                                                   stream=True)]
+    assert "".join(pieces) == replies[0].choices[0].message.content
+    anything = c.chat.completions.create(**chat(response_format={"type": "json_object"}))
+    assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    completion = c.completions.create(model=NAME, prompt="config = ", max_tokens=200, temperature=0,
+                                      extra_body={"response_format": fmt})  # vLLM's extension of completions
+    jsonschema.validate(json.loads(completion.choices[0].text), schemas[0])
+
+
+def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
+    """tool_choice a named function: one call of it, its arguments of its schema, finish_reason
+    tool_calls, streamed or not; "required": a call of one of the tools."""
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = c.chat.completions.create(**chat(tools=tools, tool_choice=named)).choices[0]
+    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    call = reply.message.tool_calls[0].function
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    streamed = [d for ch in c.chat.completions.create(**chat(tools=tools, tool_choice=named), stream=True)
+                for d in ch.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.name, call.arguments)]
+    required = c.chat.completions.create(**chat(tools=tools, tool_choice="required")).choices[0]
+    assert required.message.tool_calls and {t.function.name for t in required.message.tool_calls} <= {"get_weather",
+                                                                                                       "now"}
+
+
+BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/x"}}}  # a reference to nothing
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "now"}}],
+      "tool_choice": {"type": "function", "function": {"name": "later"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "now", "strict": True, "parameters": BROKEN}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "now"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_a_grammar_the_server_cannot_follow_is_a_400_naming_the_field(server, fields, param):
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields})
+    assert r.status_code == 400 and error_of(r)["param"] == param, r.text
