@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 import xgrammar
-from conftest import use_path
+from conftest import DEVICE, use_path
 from in_process import load_script
 from servers import NAME, REQUEST_TIMEOUT_S, SHIPPED, error_of, serving, with_chat_template
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
@@ -77,7 +77,7 @@ def test_the_grammars_take_qwen3s_formats_and_nothing_else(compiler, tokenizer):
 
 
 def alone(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=[], temperature=0.0,
+    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=n, eos_token_id=[], temperature=0.0,
                          repetition_penalty=1.0)  # the engine request's: no penalty (the checkpoint has one)
     return out[0, len(prompt):].tolist()
 
@@ -88,7 +88,7 @@ def test_a_constrained_greedy_token_is_transformers_argmax_among_the_allowed(tok
     likely, by transformers' logits of the same checkpoint teacher-forced on the output, of the
     tokens its grammar allows there (xgrammar's matcher of the test's own); the free request gets
     what it gets alone. Fused: the Triton sampler, interpreted, over fewer tokens."""
-    model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, progress=False)
+    model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, device=DEVICE, progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
     prompt = tokenizer("def main():\n    config = ", add_special_tokens=False)["input_ids"]
     schemas = [random_schema(random.Random(seed)) for seed in (1, 2)]
