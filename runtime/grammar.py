@@ -4,8 +4,8 @@ construction.
 
     grammars = Grammars(tokenizer, vocab_size, stop_ids)   # once per engine
     matcher = grammars.matcher(spec)                       # per request, compiled in a worker thread
-    matcher.fill(words, row)                               # the tokens allowed next, as bits of words[row]
-    matcher.accept(token)                                  # the token chosen: the grammar moves on
+    grammars.accept(matchers, tokens)                      # the tokens chosen: each grammar moves on
+    grammars.fill(matchers, words)                         # the tokens each allows next, as bits of words[i]
     logits = allow(logits, words)                          # on the device (a CUDA graph captures it)
 
 A grammar's spec is an xgrammar structural tag (JSON text: a JSON schema, a tool call, a reasoning
@@ -21,6 +21,7 @@ layout, unpacked by `allow` with tensor operations that a graph captures.
 from __future__ import annotations
 
 import json
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -56,7 +57,7 @@ class Matcher:
 
     def __init__(self, compiled: Future):
         self.compiled = compiled
-        self._matcher = None
+        self.state = None  # xgrammar's GrammarMatcher, once compiled
         self.rejected = False  # a token it did not allow was offered (and not taken)
 
     def ready(self) -> bool:
@@ -66,29 +67,19 @@ class Matcher:
     def start(self) -> None:
         import xgrammar
 
-        if self._matcher is None:
-            self._matcher = xgrammar.GrammarMatcher(self.compiled.result())
-
-    def fill(self, words: torch.Tensor, row: int) -> None:
-        """The tokens allowed next, into words[row] (a host int32 tensor)."""
-        self._matcher.fill_next_token_bitmask(words, row)
-
-    def accept(self, token: int) -> bool:
-        """Move on by token; False if the grammar does not allow it (then nothing moves, and
-        `rejected` says so from then on)."""
-        taken = self._matcher.accept_token(token)
-        self.rejected |= not taken
-        return taken
+        if self.state is None:
+            self.state = xgrammar.GrammarMatcher(self.compiled.result())
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and has taken a stop token: nothing may follow."""
-        return self._matcher.is_terminated()
+        return self.state.is_terminated()
 
 
 class Grammars:
     """Compiles specs for one tokenizer (xgrammar caches each spec's compiled grammar), one at a
-    time in a worker thread, so that a step never waits for a compilation."""
+    time in a worker thread, so that a step never waits for a compilation; moves and reads many
+    matchers at once, the masks written by a pool of threads (xgrammar's, outside the GIL)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
         import xgrammar
@@ -96,9 +87,27 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen3-grammar")
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
 
     def matcher(self, spec: str) -> Matcher:
         return Matcher(self.worker.submit(self.compiler.compile_structural_tag, spec))
+
+    def accept(self, matchers: list[Matcher], tokens: list[int]) -> None:
+        """Each matcher moves on by its token; one that does not allow it stays, `rejected`."""
+        import xgrammar
+
+        taken = xgrammar.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers], tokens)
+        for matcher, ok in zip(matchers, taken):
+            matcher.rejected |= not ok
+
+    def fill(self, matchers: list[Matcher], words: torch.Tensor) -> None:
+        """words[i] (a host int32 tensor's row): the tokens matchers[i] allows next; every token
+        for one that has terminated (the token it gets is dropped: its sequence has ended)."""
+        live = [i for i, m in enumerate(matchers) if not m.terminated]
+        if len(live) < len(matchers):
+            words.fill_(-1)
+        if live:
+            self.batch.batch_fill_next_token_bitmask([matchers[i].state for i in live], words, indices=live)
 
 
 def structural_tag(fmt: dict) -> str:

@@ -3,7 +3,7 @@
 
     lp = token_logprobs(logits, tokens)      # on the device, nothing read back: a CUDA graph captures it
     host = lp.to_host()                      # queued behind the step (pinned memory on CUDA)
-    host.token(i, k)                         # row i's: (its token's log-prob, k top ids, k top log-probs)
+    host.tolist(k)                           # per row: (its token's log-prob, k top ids, k top log-probs)
 
 The values are the model's own distribution: log_softmax of the raw logits in fp32, before the
 penalties, temperature and top-k/top-p/min-p that chose the token (vLLM's default, its
@@ -38,9 +38,9 @@ class Logprobs:
             return self
         return Logprobs(*(t.to("cpu", non_blocking=True) for t in (self.chosen, self.top_values, self.top_ids)))
 
-    def tolist(self) -> list[TokenLogprobs]:
-        """Every row's, with all MAX_LOGPROBS top ones (host tensors)."""
-        return list(zip(self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()))
+    def tolist(self, k: int = MAX_LOGPROBS) -> list[TokenLogprobs]:
+        """Every row's, with its k top ones (host tensors)."""
+        return list(zip(self.chosen.tolist(), self.top_ids[:, :k].tolist(), self.top_values[:, :k].tolist()))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> Logprobs:

@@ -82,8 +82,9 @@ def level(engine: Engine, concurrency: int, sampling: dict, args, rng: random.Ra
                 generated[0] += out.completion_tokens
                 send(client)
 
-        engine.add(Request(jobs[client].pop(), args.output, SamplingParams(**sampling), seed=rng.randrange(2**63),
-                           eos_ids=()), on_output)
+        params = SamplingParams(**{k: v for k, v in sampling.items() if k != "logprobs"})
+        engine.add(Request(jobs[client].pop(), args.output, params, seed=rng.randrange(2**63), eos_ids=(),
+                           logprobs=sampling.get("logprobs")), on_output)
 
     engine_events = torch.cuda.Event
     spent = timed_phases(engine)
@@ -139,6 +140,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0: greedy")
     p.add_argument("--top-p", type=float, nargs="+", default=[1.0])
     p.add_argument("--top-k", type=int, nargs="+", default=[0])
+    p.add_argument("--logprobs", type=int, default=None, help="every request asks for this many top log-probabilities")
     p.add_argument("--prefill-tokens", type=int, default=None, help="the engine's prefill_tokens (default: its own)")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="profile N steps of the last level")
     p.add_argument("--seed", type=int, default=0)

@@ -5,10 +5,12 @@ request constrained to its schema, against the same requests unconstrained, in o
     python scripts/bench_structured.py --config 0.6b --requests 64 --output 256   # a GPU, random weights
 
 Every request is admitted at once (one engine of max_batch --requests), greedy, up to --output
-tokens. Prints one JSON line: the tokens and tok/s of each run, the ratio, and how many
-constrained outputs parse and validate against their schemas (jsonschema) or were cut by
---output. The schemas (`random_schema`, also the tests' source) nest objects and arrays, with
-enums, required fields, integers, numbers, booleans and strings of bounded length.
+tokens; then the same prompts unconstrained, each generating as many tokens as its constrained
+run did (no stop token), so that both runs have the same batch at every step. Prints one JSON
+line: the tokens and tok/s of each run, the ratio, and how many constrained outputs parse and
+validate against their schemas (jsonschema) or were cut by --output. The schemas
+(`random_schema`, also the tests' source) nest objects and arrays, with enums, required fields,
+integers, numbers, booleans and strings of bounded length.
 """
 
 import argparse
@@ -54,8 +56,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"type": "object", "properties": properties, "required": required}
 
 
-def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], int, float]:
-    """Each request's text and finish reason, the tokens generated, the seconds."""
+def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], list[int], float]:
+    """Each request's text, finish reason and tokens generated; the seconds."""
     outputs = [[] for _ in requests]
     for request, out in zip(requests, outputs):
         engine.add(request, out.append)
@@ -65,7 +67,7 @@ def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], 
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     texts = ["".join(o.text for o in out) for out in outputs]
-    return texts, [out[-1].finish_reason for out in outputs], sum(out[-1].completion_tokens for out in outputs), seconds
+    return texts, [out[-1].finish_reason for out in outputs], [out[-1].completion_tokens for out in outputs], seconds
 
 
 def main(argv=None) -> None:
@@ -95,10 +97,10 @@ def main(argv=None) -> None:
                     n_blocks=args.requests * -(-(len(prompt) + args.output + 1) // 16) + 16)
     warm = [Request(prompt, 4, greedy, grammar=structural_tag(json_format(schemas[0])))]
     run(engine, warm + [Request(prompt, 4, greedy)])  # compile kernels, capture graphs
-    free = [Request(prompt, args.output, greedy, eos_ids=()) for _ in schemas]
     constrained = [Request(prompt, args.output, greedy, grammar=structural_tag(json_format(s))) for s in schemas]
-    _, _, free_tokens, free_s = run(engine, free)
-    texts, reasons, tokens, seconds = run(engine, constrained)
+    texts, reasons, lengths, seconds = run(engine, constrained)
+    _, _, free_lengths, free_s = run(engine, [Request(prompt, n, greedy, eos_ids=()) for n in lengths])
+    tokens, free_tokens = sum(lengths), sum(free_lengths)
     valid = 0
     for text, schema in zip(texts, schemas):
         try:

@@ -28,10 +28,11 @@ are read in order, once. Freed blocks can be handed out at once: every step runs
 stream, so a block's next owner writes it after the in-flight step that may still write it.
 
 Constrained decoding (a request's `grammar`: runtime/grammar.py): its sequence's mask of allowed
-tokens is written before each of its steps, and the step chooses among them. The mask needs the
-token before, so while a constrained sequence runs, a step first waits for the previous step's
-tokens and hands the constrained sequences' to their grammars (the GPU then idles while the host
-writes the masks; the rest of the work on those tokens still overlaps the step), and a
+tokens is written before each of its steps' choice, and the step chooses among them. The mask
+needs the token before, known on the host only once the step before has run: so a decode step
+with constrained rows launches its forward first, then waits for the previous step's tokens,
+hands the constrained sequences' to their grammars and writes their masks (xgrammar's threads)
+while the GPU runs that forward, then launches the choice (as SGLang overlaps grammars). A
 constrained sequence whose prefill has just launched joins the decode steps one step later. Its
 grammar compiles in a worker thread while it waits; it is admitted once that is done.
 
@@ -107,6 +108,7 @@ class LaunchedStep:
     tokens: torch.Tensor  # [B] on the host once `ready` has completed
     logprobs: Logprobs | None  # theirs, when a sequence asked (on the host with the tokens)
     ready: torch.cuda.Event | None  # None: the tokens are already there (CPU)
+    matched: bool = False  # its constrained sequences' grammars have taken its tokens
 
 
 class Engine:
@@ -251,9 +253,9 @@ class Engine:
     def step(self) -> None:
         self._drain_inbox()
         previous, self.in_flight = self.in_flight, []
-        self._match(previous)
         self._launch_prefills()
-        self._launch_decode()
+        self._launch_decode(previous)
+        self._match(previous)  # the constrained sequences' tokens the decode step did not need
         for launched in previous:  # read while the prefills and the decode step just launched run
             self._accept_step(launched)
 
@@ -348,17 +350,16 @@ class Engine:
 
     def _match(self, launched_steps: list[LaunchedStep]) -> None:
         """Hand the tokens of the launched steps to the grammars of their constrained sequences
-        (waiting for those steps), so that their next masks can be written."""
+        (waiting for those steps), so that their next masks can be written; once per step."""
         for launched in launched_steps:
-            constrained = [i for i, s in enumerate(launched.seqs) if s.matcher is not None and s.unmatched]
+            constrained = [i for i, s in enumerate(launched.seqs) if s.matcher is not None and not launched.matched]
+            launched.matched = True
             if not constrained:
                 continue
             if launched.ready is not None:
                 launched.ready.synchronize()
             tokens = launched.tokens.tolist()
-            for i in constrained:
-                launched.seqs[i].matcher.accept(tokens[i])
-                launched.seqs[i].unmatched -= 1
+            self.grammars.accept([launched.seqs[i].matcher for i in constrained], [tokens[i] for i in constrained])
 
     def _grammar_ready(self, seq: Sequence) -> bool:
         """Whether the sequence's grammar is compiled; one that failed to compile ends it ("error")."""
@@ -471,22 +472,30 @@ class Engine:
             self.waiting.appendleft(victim)
             self.preemptions += 1
 
-    def _launch_decode(self) -> None:
+    def _launch_decode(self, previous: list[LaunchedStep]) -> None:
         """Launch a decode step over the running sequences that have tokens left to make (a
-        sequence whose last token is still in flight counts it), if there are any."""
+        sequence whose last token is still in flight counts it), if there are any. A constrained
+        sequence whose last token is one this step's prefills make waits a step (its mask needs
+        it); the others' masks are written once the forward is launched, from the tokens of the
+        previous steps."""
         self._grow()
+        prefilled = {id(s) for launched in self.in_flight for s in launched.seqs}  # in this step
         seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens
-                # a constrained one's mask needs its grammar to have its last token, and to go on
-                and not s.unmatched and not (s.matcher is not None and s.matcher.terminated)]
+                and not (s.matcher is not None and (id(s) in prefilled or s.matcher.terminated))]
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))
         rows = torch.tensor([s.row for s in seqs])
         positions = self._on_device([s.cached for s in seqs])
         width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
+        masks = None
+        if any(s.matcher is not None for s in seqs):
+            def masks() -> None:
+                self._match(previous)
+                self._allow(seqs)
         tokens, logprobs = self.decode(self._on_device(rows), positions,
                                        self._on_device(self.block_rows[rows, :width]), self._how(seqs),
-                                       self._logprobs(seqs), self._allow(seqs))
+                                       self._logprobs(seqs), masks)
         for s in seqs:
             s.cached += 1
         self._send_back(seqs, tokens, logprobs)
@@ -496,7 +505,6 @@ class Engine:
         host; the next step reads them."""
         for s in seqs:
             s.unread += 1
-            s.unmatched += s.matcher is not None
         ready = None  # the CPU's tokens are there already
         if tokens.device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)
@@ -510,7 +518,9 @@ class Engine:
         host; a sequence that ended meanwhile (a stop token before, a cancel) drops its token."""
         if step.ready is not None:
             step.ready.synchronize()
-        logprobs = step.logprobs.tolist() if step.logprobs is not None else itertools.repeat(None)
+        logprobs = itertools.repeat(None)
+        if step.logprobs is not None:  # the top ones the step's sequences asked for at most, as lists
+            logprobs = step.logprobs.tolist(max(s.request.logprobs or 0 for s in step.seqs))
         for s, token, lp in zip(step.seqs, step.tokens.tolist(), logprobs):
             s.unread -= 1
             if s.finish_reason is None:
@@ -538,8 +548,7 @@ class Engine:
             return False
         words = torch.empty(len(constrained), self.sampler.allowed.shape[1], dtype=torch.int32,
                             pin_memory=self.device.type == "cuda")
-        for i, s in enumerate(constrained):
-            s.matcher.fill(words, i)
+        self.grammars.fill([s.matcher for s in constrained], words)
         self.sampler.allow_rows(self._on_device([s.row for s in constrained]), words)
         return True
 
@@ -553,7 +562,7 @@ class Engine:
         seq.ids.append(token)
         self._register_blocks(seq)
         reason = seq.read(token)
-        if seq.matcher is not None:  # its grammar has taken the token (_match)
+        if seq.matcher is not None:  # its grammar has taken the token (_match, before this)
             if seq.matcher.rejected:  # masked out: a bug, never the request's fault
                 print(f"request {seq.id}: token {token} is not one its grammar allows", file=sys.stderr)
                 reason = "error"

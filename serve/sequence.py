@@ -29,7 +29,6 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  # the keys of its first full blocks, as far as computed
     registered: int = 0  # of its blocks, the first this many are registered (prefix caching)
     matcher: Matcher | None = None  # its grammar's state (constrained decoding)
-    unmatched: int = 0  # launched tokens its grammar has not taken yet
 
     def __post_init__(self) -> None:
         self.n_prompt = len(self.request.prompt_ids)

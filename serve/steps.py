@@ -6,6 +6,7 @@ a bucket writes to the cache's scratch slot and the sampler's scratch row.
 """
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
@@ -36,10 +37,12 @@ class DecodeStep:
     smallest batch bucket >= B (runtime/graphs.py), its padding rows on the scratch row and slot.
     A graph per way of choosing (Sampler.how): greedy steps and sampling ones, each captured at
     start; a third (the reference sampler beside the fused kernels) the first time it is needed.
-    Steps that also return the tokens' log-probabilities (runtime/logprobs.py), and steps whose
-    rows choose among the tokens their grammars allow (masked: runtime/grammar.py), are graphs
-    of their own, each captured the first time a request asks for them: the steps of requests
-    that do not ask compute none of it."""
+    Steps that also return the tokens' log-probabilities (runtime/logprobs.py) are graphs of
+    their own, captured the first time a request asks for them: the steps of requests that do
+    not ask compute none of it. A step whose rows choose among the tokens their grammars allow
+    (runtime/grammar.py) runs in two graphs, the forward to the logits and the choice, and the
+    caller's `masks()` between them writes the sampler's masks while the GPU runs the forward:
+    the masks need the tokens of the step before, known on the host only once it has run."""
 
     def __init__(self, model, cache: PagedKVCache, sampler: Sampler, last_token: torch.Tensor, max_batch: int,
                  table_width: int, graph: bool, fused: bool):
@@ -52,40 +55,60 @@ class DecodeStep:
         self.valid = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(max_batch, table_width, dtype=torch.long, device=device)
         self.cu_seqlens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
-        self.runners: dict[tuple[str, bool, bool], GraphRunner] = {}
+        self.logits: torch.Tensor | None = None  # [max_batch, V], between a masked step's two graphs
+        self.runners: dict[tuple, GraphRunner] = {}
         for how in ("greedy", "fused" if fused else "reference"):
-            self.runner(how, False, False)
+            self.runner(how, False)
 
-    def runner(self, how: str, logprobs: bool, masked: bool) -> GraphRunner:
-        """The steps that choose tokens `how`, captured the first time they are asked for. Every row
-        is padding while capturing (the scratch row, valid False, block 0): the warm-up and capture
-        runs write to the cache's scratch slot and the sampler's scratch row only, also when a
-        runner is captured while sequences run (their rows' buffers are refilled after)."""
-        key = how, logprobs, masked
+    def runner(self, *key) -> GraphRunner:
+        """The steps of `key`, captured the first time they are asked for: (how, logprobs) a whole
+        step choosing tokens `how`; ("forward",) a masked step's forward; (how, logprobs, "masked")
+        its choice. Every row is padding while capturing (the scratch row, valid False, block 0):
+        the warm-up and capture runs write to the cache's scratch slot and the sampler's scratch row
+        only, also when a runner is captured while sequences run (their rows' buffers are refilled after)."""
         if key not in self.runners:
             self.rows.fill_(self.sampler.scratch)
             self.valid.fill_(False)
             self.positions.zero_()
             self.block_table.zero_()
-            step = lambda n: self._step(n, how, logprobs, masked)  # noqa: E731
+            if key == ("forward",):
+                step = lambda n: self._forward(n, keep=True)  # noqa: E731
+            elif len(key) == 3:
+                step = lambda n: self._choose(n, self.logits[:n], *key[:2], masked=True)  # noqa: E731
+            else:
+                step = lambda n: self._choose(n, self._forward(n), *key)  # noqa: E731
             self.runners[key] = GraphRunner(step, batch_buckets(self.max_batch), self.rows.device, self.graph)
         return self.runners[key]
 
-    def _step(self, n: int, how: str, logprobs: bool, masked: bool) -> tuple[torch.Tensor, Logprobs | None]:
-        rows = self.rows[:n]
+    def _forward(self, n: int, keep: bool = False) -> torch.Tensor:
+        """The logits of the rows' next tokens; keep: also in self.logits (a masked step's, for its choice)."""
         meta = metadata.decode(self.positions[:n], self.cache, self.block_table[:n], self.valid[:n],
                                self.cu_seqlens[: n + 1])
-        logits = self.model(self.last_token[rows], self.positions[:n], meta)
+        logits = self.model(self.last_token[self.rows[:n]], self.positions[:n], meta)
+        if keep:
+            self.logits[:n].copy_(logits)
+        return logits
+
+    def _choose(self, n: int, logits: torch.Tensor, how: str, logprobs: bool,
+                masked: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
+        rows = self.rows[:n]
         tokens = self.sampler(logits, rows, how, masked)
         self.last_token[rows] = tokens
         return tokens, token_logprobs(logits, tokens) if logprobs else None
 
     def __call__(self, rows: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
-                 how: str, logprobs: bool = False, masked: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
-        """The next tokens [B] of the rows (masked: among the tokens the sampler's masks allow),
-        and with `logprobs` their log-probabilities."""
+                 how: str, logprobs: bool = False,
+                 masks: Callable[[], None] | None = None) -> tuple[torch.Tensor, Logprobs | None]:
+        """The next tokens [B] of the rows, and with `logprobs` their log-probabilities. masks: the
+        rows choose among the tokens the sampler's masks allow, which masks() writes once the
+        forward is launched."""
         B = rows.shape[0]
-        runner = self.runner(how, logprobs, masked)
+        if masks is not None and self.logits is None:
+            self.logits = torch.zeros(self.max_batch, self.sampler.vocab_size, dtype=self.model.lm_head.weight.dtype,
+                                      device=self.rows.device)
+        # Both graphs looked up (captured, the first time) before the buffers are filled: a capture pads them
+        runner = self.runner("forward") if masks is not None else self.runner(how, logprobs)
+        choice = self.runner(how, logprobs, "masked") if masks is not None else None
         bucket = runner.bucket(B)
         self.rows[:B].copy_(rows)
         self.positions[:B].copy_(positions)
@@ -95,7 +118,12 @@ class DecodeStep:
         self.rows[B:bucket] = self.sampler.scratch
         self.positions[B:bucket] = 0
         self.block_table[B:bucket] = 0
-        tokens, lp = runner(B)
+        if masks is None:
+            tokens, lp = runner(B)
+        else:
+            runner(B)
+            masks()
+            tokens, lp = choice(B)
         return tokens[:B], lp[:B] if lp is not None else None
 
 
