@@ -78,16 +78,18 @@ class Matcher:
 
 class Grammars:
     """Compiles specs for one tokenizer (xgrammar caches each spec's compiled grammar), one at a
-    time in a worker thread, so that a step never waits for a compilation; moves and reads many
-    matchers at once, the masks written by a pool of threads (xgrammar's, outside the GIL)."""
+    time in a worker thread (each by xgrammar's threads), so that a step never waits for a
+    compilation; moves and reads many matchers at once, the masks written by a pool of threads
+    (xgrammar's, outside the GIL)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+        threads = min(8, os.cpu_count() or 1)
+        self.compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen3-grammar")
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
 
     def matcher(self, spec: str) -> Matcher:
         return Matcher(self.worker.submit(self.compiler.compile_structural_tag, spec))

@@ -36,11 +36,11 @@ from serve.engine import Engine, Request  # noqa: E402
 PHASES = ("_admit", "_launch_decode", "_accept_step")
 
 
-def timed_phases(engine: Engine) -> dict[str, float]:
+def timed_phases(engine: Engine, phases: tuple[str, ...] = PHASES) -> dict[str, float]:
     """Seconds of host time spent in each engine phase, accumulated as the engine steps, and in
     waiting for a step's tokens (`wait`)."""
     spent = defaultdict(float)
-    for name in PHASES:
+    for name in phases:
         method = getattr(engine, name)
 
         def timed(*args, method=method, name=name):
@@ -156,6 +156,9 @@ def main() -> None:
         engine = Engine(model, max_batch=concurrency, n_blocks=n_blocks, **extra)
         for j, sampling in enumerate(settings):
             last = i == len(args.concurrency) - 1 and j == len(settings) - 1
+            # the graphs a setting runs are captured the first time: in a short level of one client first
+            level(engine, 1, sampling, argparse.Namespace(**{**vars(args), "output": 8, "requests_per_client": 1}),
+                  rng, 0)
             level(engine, concurrency, sampling, args, rng, args.profile if last else 0)
         del engine
 

@@ -352,7 +352,8 @@ class Engine:
         """Hand the tokens of the launched steps to the grammars of their constrained sequences
         (waiting for those steps), so that their next masks can be written; once per step."""
         for launched in launched_steps:
-            constrained = [i for i, s in enumerate(launched.seqs) if s.matcher is not None and not launched.matched]
+            constrained = [i for i, s in enumerate(launched.seqs)
+                           if s.matcher is not None and not launched.matched and not s.matcher.terminated]
             launched.matched = True
             if not constrained:
                 continue
