@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     texts, reasons, lengths, seconds = run(engine, constrained)
     if device.type == "cuda":
         phases = {f"{name.strip('_')}_ms_per_step": round(1e3 * t / steps[0], 3) for name, t in spent.items()}
+        phases |= {"steps": steps[0], "seconds": round(seconds, 3)}
         engine.step = step
     _, _, free_lengths, free_s = run(engine, [Request(prompt, n, greedy, eos_ids=()) for n in lengths])
     tokens, free_tokens = sum(lengths), sum(free_lengths)

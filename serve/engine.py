@@ -98,6 +98,10 @@ __all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "QueueFull", "Request
 # prefill. More per step takes a burst into the batch in fewer steps (fewer decode steps run
 # part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
 PREFILL_TOKENS = 8192
+# What a step waits at most for the grammar of the request at the head of the queue: a grammar in
+# xgrammar's cache is ready within it (runtime/grammar.py Matcher.ready); a new one takes a few
+# steps of this (milliseconds to compile), while the running sequences go on.
+GRAMMAR_WAIT_S = 0.0005
 
 
 @dataclass
@@ -363,8 +367,9 @@ class Engine:
             self.grammars.accept([launched.seqs[i].matcher for i in constrained], [tokens[i] for i in constrained])
 
     def _grammar_ready(self, seq: Sequence) -> bool:
-        """Whether the sequence's grammar is compiled; one that failed to compile ends it ("error")."""
-        if not seq.matcher.ready():
+        """Whether the sequence's grammar is compiled (waiting up to GRAMMAR_WAIT_S); one that failed to
+        compile ends it ("error")."""
+        if not seq.matcher.ready(GRAMMAR_WAIT_S):
             return False
         try:
             seq.matcher.start()
