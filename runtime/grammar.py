@@ -26,6 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+# Matchers per thread when tokens are accepted in parallel, at least: fewer are not worth a thread's wake-up.
+ACCEPT_CHUNK = 8
+
 
 def mask_words(vocab_size: int) -> int:
     """int32 words of one row's mask."""
@@ -95,6 +98,10 @@ class Grammars:
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen3-grammar")
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        # Accepting a token walks the grammar by each of its characters (tens of microseconds for
+        # a long one): the matchers are split among threads, each outside the GIL in xgrammar.
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qwen3-grammar-accept")
 
     def matcher(self, spec: str) -> Matcher:
         return Matcher(self.worker.submit(self.compiler.compile_structural_tag, spec))
@@ -103,7 +110,13 @@ class Grammars:
         """Each matcher moves on by its token; one that does not allow it stays, `rejected`."""
         import xgrammar
 
-        taken = xgrammar.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers], tokens)
+        def take(lo: int, hi: int) -> list[bool]:
+            return xgrammar.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers[lo:hi]], tokens[lo:hi])
+
+        n = len(matchers)
+        size = max(ACCEPT_CHUNK, -(-n // self.threads))
+        chunks = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+        taken = take(0, n) if len(chunks) == 1 else sum(self.pool.map(lambda c: take(*c), chunks), [])
         for matcher, ok in zip(matchers, taken):
             matcher.rejected |= not ok
 
