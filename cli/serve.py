@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "a longer prompt is prefilled in chunks, one a step, a token's attention to the tokens "
                         "before it counting too, so that a chunk deep in a long prompt is shorter "
                         f"(default: {PREFILL_TOKENS})")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="a Jinja chat template for chat requests in place of the tokenizer's (a base model has "
+                        "none; examples/qwen3-chat-template.jinja is Qwen3's format)")
     p.add_argument("--no-reasoning-parser", dest="reasoning", action="store_false",
                    help="leave a chat reply's reasoning (<think>...</think>) in content, as the model wrote it "
                         "(default: in message.reasoning_content / delta.reasoning_content, where the chat "
@@ -194,9 +197,19 @@ def find_checkpoint(model: str, revision: str | None) -> Path:
 def tokenizer_of(args: argparse.Namespace):
     """The checkpoint's tokenizer, or the exit with one line that names its broken file."""
     try:
-        return load_tokenizer(args.checkpoint)
+        tokenizer = load_tokenizer(args.checkpoint)
     except (OSError, ValueError) as err:
         fail(f"cannot load {args.model}: {err}")
+    if args.chat_template is not None:
+        try:
+            tokenizer.chat_template = args.chat_template.read_text()
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except OSError as err:
+            fail(f"cannot read --chat-template {args.chat_template}: {err.strerror or err}")
+        except Exception as err:  # jinja's own errors: a template that does not render
+            fail(f"--chat-template {args.chat_template} does not render a conversation: {err}")
+    return tokenizer
 
 
 def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> EngineProcess:

@@ -8,6 +8,7 @@ Every wait is bounded: the server must answer /health within SERVER_START_S, and
 has a client timeout."""
 
 import asyncio
+import json
 import socket
 
 import httpx
@@ -488,6 +489,30 @@ def test_a_bad_flag_ends_serve_py_with_one_line(flags, message, capsys):
         load_serve_py().parse_args(flags)
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines() == [message]
+
+
+def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
+    """--chat-template: the shipped base model gets Qwen3's chat format (examples/): tools in the
+    system turn, the think block closed with thinking off; a file that is missing or does not
+    render ends serve.py with one line naming it."""
+    serve = load_serve_py()
+    template = SHIPPED.parent.parent / "examples" / "qwen3-chat-template.jinja"
+    args = serve.parse_args(["--chat-template", str(template)])
+    serve.check_model(args)
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+    question = [{"role": "user", "content": "What time is it?"}]
+    text = serve.tokenizer_of(args).apply_chat_template(question, tools=[tool], tokenize=False,
+                                                        add_generation_prompt=True, enable_thinking=False)
+    assert text.startswith("<|im_start|>system\n# Tools\n") and f"<tools>\n{json.dumps(tool)}\n</tools>" in text
+    assert text.endswith("<|im_start|>user\nWhat time is it?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    for path, says in ((tmp_path / "missing.jinja", "cannot read --chat-template"),
+                       (tmp_path / "broken.jinja", "does not render a conversation")):
+        args = serve.parse_args(["--chat-template", str(path)])
+        serve.check_model(args)
+        with pytest.raises(SystemExit) as exit:
+            serve.tokenizer_of(args)
+        assert says in str(exit.value.code) and "\n" not in str(exit.value.code)
 
 
 def test_an_unknown_device_ends_serve_py_with_one_line():
