@@ -65,7 +65,8 @@ class Choice:
         """The choice of a response that is not streamed, from its last output (every one merged)."""
         if self.reply is not None:
             delta = self.reply.feed(out.text, final=True)
-            content = (delta.content or None) if delta.calls else delta.content  # OpenAI's: null beside calls
+            # OpenAI's: null beside calls, and (vLLM's) beside reasoning when there is no answer
+            content = (delta.content or None) if delta.calls or delta.reasoning else delta.content
             message = {"role": "assistant", "content": content}
             if self.reply.splitter is not None:
                 message["reasoning_content"] = delta.reasoning or None

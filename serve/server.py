@@ -499,7 +499,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
             raise OpenAIError(503, f"The engine did not answer within {HEALTH_TIMEOUT_S:g} s (a long step, or "
                                    "hung)", type_="server_error", code="engine_busy") from None
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: what some load balancers' checks send
     async def health():
         stats = await engine_stats()
         return {"status": "ok", **stats, "max_batch": engine.max_batch, "max_waiting": engine.max_waiting}

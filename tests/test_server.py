@@ -72,6 +72,8 @@ def test_models_and_health(server):
     assert r.status_code == 400 and error_of(r)["param"] == "stream_options", r.text
     h = health(server)
     assert h["status"] == "ok" and h["free_blocks"] == h["total_blocks"] > 0
+    head = httpx.head(f"{server}/health", timeout=30)  # a load balancer's check
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_greedy_completion_equals_the_models_own_streaming_and_not(server, reference):
