@@ -19,6 +19,7 @@ import ops
 from runtime.sampling import sampling_params
 
 from .config import Qwen3Config
+from .fp8 import SCALE_KEY, dequantize, fp8_block_size, scale_shape
 from .parallel import TensorParallel, resolve_parallel_device
 
 SINGLE_FILE = "model.safetensors"
@@ -27,6 +28,7 @@ GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # safetensors' names of the dtypes a parameter may be stored in; the copy casts them to the model's.
 FLOAT_STORAGE = ("F32", "BF16", "F16", "F64")
+FP8_STORAGE = "F8_E4M3"  # an FP8 checkpoint's quantized weights (qwen3/fp8.py)
 # A progress bar appears once loading has taken this long, so that small checkpoints show none.
 PROGRESS_AFTER_S = 1.0
 
@@ -191,8 +193,9 @@ def load_model(
             whole = model_class(config)
         shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
-    plan = copy_plan(path, config, shapes, tp)  # every key, shape and dtype checked before anything is copied
-    copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0))
+    block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    plan = copy_plan(path, config, shapes, tp, block)  # every key, shape and dtype checked before anything is copied
+    copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0), block)
     model.generation_config = generation_config
     if tp is not None:
         model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
@@ -200,13 +203,24 @@ def load_model(
     return model.eval()
 
 
-def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: TensorParallel | None
-              ) -> list[tuple[str, list[tuple[str, tuple[slice, ...] | None]]]]:
-    """[(shard, [(key, index)])]: what to copy from each checkpoint file (index: this rank's part
-    of the tensor, None for all of it), once every key, shape and dtype has been checked against
-    `shapes` (the whole model's). ValueError naming the file and the key otherwise."""
+def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: TensorParallel | None,
+              block: tuple[int, int] | None = None) -> list[tuple[str, list[tuple]]]:
+    """[(shard, [(key, index, scale)])]: what to copy from each checkpoint file (index: this rank's
+    part of the tensor, None for all of it; scale: (shard, key) of an FP8 weight's multipliers,
+    qwen3/fp8.py, None for a weight stored in floating point), once every key, shape and dtype has
+    been checked against `shapes` (the whole model's). block: an FP8 checkpoint's weight block
+    size (None: not FP8). ValueError naming the file and the key otherwise."""
     shards = checkpoint_files(path)
-    plan: list[tuple[str, list[tuple[str, tuple[slice, ...] | None]]]] = []  # (shard, [(key, index)])
+    scales: dict[str, tuple[str, tuple, str]] = {}  # FP8: weight key -> (shard, shape, dtype) of its scale
+    if block is not None:
+        for shard in shards:
+            with _open(path / shard) as f:
+                for key in f.keys():
+                    if key.endswith(SCALE_KEY):
+                        stored = f.get_slice(key)
+                        scales[key.removesuffix(SCALE_KEY) + "weight"] = (shard, tuple(stored.get_shape()),
+                                                                          stored.get_dtype())
+    plan: list[tuple[str, list[tuple]]] = []  # (shard, [(key, index, scale)])
     seen: set[str] = set()
     for shard, listed in shards.items():
         with _open(path / shard) as f:
@@ -218,6 +232,8 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
             for key in keys:
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # a derived buffer some exporters save; we compute it
+                if block is not None and key.endswith(SCALE_KEY):
+                    continue  # read with its weight
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the head is the embedding matrix
                 if key not in shapes:
@@ -227,14 +243,22 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
                 shape = tuple(stored.get_shape())
                 if shape != shapes[key]:
                     raise ValueError(f"tensor {key} in {shard} has shape {shape}, expected {shapes[key]}")
-                if stored.get_dtype() not in FLOAT_STORAGE:
+                scale = None
+                if block is not None and stored.get_dtype() == FP8_STORAGE:
+                    scale = fp8_scale(key, shard, shape, block, scales)
+                elif stored.get_dtype() not in FLOAT_STORAGE:
+                    fp8 = " (an FP8 checkpoint's config.json has a quantization_config)" if stored.get_dtype() == \
+                        FP8_STORAGE else ""
                     raise ValueError(f"tensor {key} in {shard} has dtype {stored.get_dtype()}, expected a "
-                                     f"floating-point one ({', '.join(FLOAT_STORAGE)})")
+                                     f"floating-point one ({', '.join(FLOAT_STORAGE)}){fp8}")
+                elif key in scales:
+                    raise ValueError(f"{key} in {shard} has a {SCALE_KEY} but is stored as {stored.get_dtype()}, "
+                                     "not FP8")
                 seen.add(key)
                 if tp is None:
-                    to_copy.append((key, None))  # the whole tensor
+                    to_copy.append((key, None, scale))  # the whole tensor
                 elif (index := tp.checkpoint_index(key, config)) is not None:  # None: this rank holds none of it
-                    to_copy.append((key, index))
+                    to_copy.append((key, index, scale))
             plan.append((shard, to_copy))
     missing = sorted(set(shapes) - seen)
     if missing:
@@ -243,16 +267,37 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
     return plan
 
 
-def copy_weights(path: Path, plan, params: dict[str, torch.Tensor], progress: bool) -> None:
-    """Copy each planned tensor (or this rank's part of it) into its parameter, with a progress bar
-    once loading has taken over a second."""
-    total = sum(params[key].nbytes for _, keys in plan for key, _ in keys)
+def fp8_scale(key: str, shard: str, shape: tuple, block: tuple[int, int],
+              scales: dict[str, tuple[str, tuple, str]]) -> tuple[str, str]:
+    """(shard, key) of the scale of FP8 weight `key`, checked; ValueError naming what is wrong."""
+    if key not in scales:
+        raise ValueError(f"FP8 tensor {key} in {shard} has no {SCALE_KEY} beside it")
+    scale_shard, stored_shape, dtype = scales[key]
+    scale_key = key.removesuffix("weight") + SCALE_KEY
+    if len(shape) != 2 or stored_shape != scale_shape(shape, block):
+        raise ValueError(f"{scale_key} in {scale_shard} has shape {stored_shape}, expected "
+                         f"{scale_shape(shape, block) if len(shape) == 2 else 'a 2-D weight'} for blocks of {block}")
+    if dtype not in FLOAT_STORAGE:
+        raise ValueError(f"{scale_key} in {scale_shard} has dtype {dtype}, expected a floating-point one")
+    return scale_shard, scale_key
+
+
+def copy_weights(path: Path, plan, params: dict[str, torch.Tensor], progress: bool,
+                 block: tuple[int, int] | None = None) -> None:
+    """Copy each planned tensor (or this rank's part of it) into its parameter, an FP8 one
+    dequantized first (qwen3/fp8.py), with a progress bar once loading has taken over a second."""
+    total = sum(params[key].nbytes for _, keys in plan for key, _, _ in keys)
     with torch.no_grad(), tqdm(total=total, desc="loading weights", unit="B", unit_scale=True,
                                delay=PROGRESS_AFTER_S, disable=not progress) as bar:
         for shard, keys in plan:
             with _open(path / shard) as f:
-                for key, index in keys:
-                    part = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+                for key, index, scale in keys:
+                    if scale is not None:
+                        with _open(path / scale[0]) as g:
+                            whole = dequantize(f.get_tensor(key), g.get_tensor(scale[1]), block, params[key].dtype)
+                        part = whole if index is None else whole[index]
+                    else:
+                        part = f.get_tensor(key) if index is None else f.get_slice(key)[index]
                     if part.shape != params[key].shape:  # a slicing rule of qwen3/parallel.py gone wrong
                         raise RuntimeError(f"{key}: read {tuple(part.shape)}, expected {tuple(params[key].shape)}")
                     params[key].copy_(part)
