@@ -54,6 +54,7 @@ SCRIPTS = {  # what the prompt's last token makes the model say, token by token
                "No call is needed."],
     "bad": ['<tool_call>{"name": "get_weather", "arguments": {bad json</tool_call>'],
     "unknown": ['<tool_call>{"name": "launch", "arguments": {}}</tool_call>'],
+    "json": ["<think>Sum it.</think>", '\n\n{"sum": 5}'],  # the reasoning, then a JSON answer
 }
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -320,6 +321,27 @@ def test_n_chat_choices_each_take_their_reply_apart(server):
             content[ch.index] += ch.delta.content or ""
             calls[ch.index] += [call.function.name for call in ch.delta.tool_calls or []]
     assert content == ["I will check the weather."] * 2 and calls == [["get_weather"]] * 2
+
+
+SUM = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_json_answer_may_follow_the_reasoning_block(server, stream):
+    """response_format with thinking on: the grammar takes the model's reasoning block, then the
+    JSON of the schema (serve/constraints.py); the reasoning and the answer land apart."""
+    c = client(server)
+    fields = dict(model=c.models.list().data[0].id, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                  max_tokens=16, temperature=0, extra_body={"chat_template_kwargs": {"script": "json"}},
+                  response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": SUM}})
+    if not stream:
+        message = c.chat.completions.create(**fields).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    else:
+        deltas = [ch.choices[0].delta for ch in c.chat.completions.create(stream=True, **fields)]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    assert reasoning == "Sum it." and json.loads(content) == {"sum": 5}
 
 
 def test_a_reply_cut_anywhere_gives_the_same_parts():
