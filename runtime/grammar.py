@@ -91,12 +91,15 @@ class Grammars:
     (xgrammar's, outside the GIL)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        """The tokenizer's vocabulary is read (a second for Qwen3's 151k tokens) in the worker
+        thread, before the first compilation, not by the caller."""
         import xgrammar
 
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         threads = min(8, os.cpu_count() or 1)
-        self.compiler = xgrammar.GrammarCompiler(info, max_threads=threads)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen3-grammar")
+        self.compiler = self.worker.submit(lambda: xgrammar.GrammarCompiler(
+            xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids),
+            max_threads=threads))
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
         # Accepting a token walks the grammar by each of its characters (tens of microseconds for
         # a long one): the matchers are split among threads, each outside the GIL in xgrammar.
@@ -104,7 +107,7 @@ class Grammars:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qwen3-grammar-accept")
 
     def matcher(self, spec: str) -> Matcher:
-        return Matcher(self.worker.submit(self.compiler.compile_structural_tag, spec))
+        return Matcher(self.worker.submit(lambda: self.compiler.result().compile_structural_tag(spec)))
 
     def accept(self, matchers: list[Matcher], tokens: list[int]) -> None:
         """Each matcher moves on by its token; one that does not allow it stays, `rejected`."""

@@ -8,7 +8,9 @@
 The values are the model's own distribution: log_softmax of the raw logits in fp32, before the
 penalties, temperature and top-k/top-p/min-p that chose the token (vLLM's default, its
 `raw_logprobs`). A request's log-probabilities then say what the model thinks of its text, the
-same whatever it was sampled with, and a greedy token's is the first of its top ones.
+same whatever it was sampled with, and a greedy token's is the first of its top ones. Under a
+grammar (structured output) the logits are the masked ones, as vLLM's: the tokens the grammar
+does not allow have none.
 """
 
 from dataclasses import dataclass
@@ -53,6 +55,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> Logprobs:
 
 
 def keep(token: TokenLogprobs, k: int) -> TokenLogprobs:
-    """A token's log-probs with its k top ones only."""
+    """A token's log-probs with its k top ones only, none of them impossible (a grammar's mask sets
+    the tokens it does not allow to -inf: fewer than k may be left)."""
     logprob, ids, values = token
-    return logprob, ids[:k], values[:k]
+    kept = [i for i, v in enumerate(values[:k]) if v != float("-inf")]
+    return logprob, [ids[i] for i in kept], [values[i] for i in kept]

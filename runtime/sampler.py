@@ -5,12 +5,12 @@ that a CUDA graph captures it with the step that makes the logits.
     sampler = Sampler(rows=16, vocab_size=V, device=device)
     sampler.set_row(row, params, seed, seen_ids)     # at admission (the engine) or once (generate)
     tokens = sampler(logits, rows, how)              # [B]; each row's state advances by its token
-    tokens = sampler(logits, rows, how, masked=True) # only among the tokens each row's mask allows
+    tokens = sampler(sampler.mask(logits, rows), rows, how)   # only among the tokens each row's mask allows
 
 The sampler holds each row's state: its parameters, its seed, the tokens it has drawn (its step)
 and, for the penalties, the tokens it has seen, and the tokens its grammar allows next
 (runtime/grammar.py: every token, unless a caller writes a mask with `allow_rows` before a
-step). ops/sampling/ chooses the tokens from that state:
+step, and applies it with `mask`). ops/sampling/ chooses the tokens from that state:
 transformers' filters, and a draw from counter-based random numbers, so that a row's n-th token
 depends on its logits, its seed and n, never on the rest of the batch.
 
@@ -90,14 +90,15 @@ class Sampler:
         pinned on CUDA: the copy is queued behind the step in flight) in their masked steps."""
         self.allowed[rows] = words.to(self.allowed.device, non_blocking=True)
 
-    def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str, masked: bool = False) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] of sampler rows `rows` with the tokens their masks do not allow at -inf."""
+        return allow(logits, self.allowed[rows])
+
+    def choose(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
         """Tokens [B] for logits [B, V] of sampler rows `rows` [B] (long, on the device); the rows'
-        state is read, not advanced (a warm-up before a graph capture calls this). masked: only
-        among the tokens each row's mask allows."""
+        state is read, not advanced (a warm-up before a graph capture calls this)."""
         if logits.shape[-1] != self.vocab_size:  # the kernels index the seen tokens by the logits' width
             raise ValueError(f"logits of {logits.shape[-1]} tokens for a sampler of {self.vocab_size}")
-        if masked:
-            logits = allow(logits, self.allowed[rows])
         if how == "greedy":
             return logits.argmax(-1)  # exact in any dtype: no float copy of [B, V]
         if how not in HOWS:
@@ -110,8 +111,8 @@ class Sampler:
         if self.seen is not None:
             self.seen.index_put_((rows, tokens), self.true)
 
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, how: str, masked: bool = False) -> torch.Tensor:
-        tokens = self.choose(logits, rows, how, masked)
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, how: str) -> torch.Tensor:
+        tokens = self.choose(logits, rows, how)
         if how != "greedy":  # greedy rows use no state: a row's parameters are its own for its life
             self.advance(rows, tokens)
         return tokens

@@ -16,6 +16,8 @@ call is Qwen3's (hermes) format, as its chat template asks for it and serve/repl
 tool's parameters schema.
 """
 
+import json
+
 from runtime.grammar import structural_tag
 from runtime.reasoning import CLOSE, OPEN
 
@@ -59,21 +61,67 @@ def response_grammar(kind: str, schema: dict | None, reasoning: str) -> str | No
 
 def tool_call(name: str, parameters: dict | None) -> dict:
     """One call of the named tool, its arguments following its parameters (any object without)."""
-    return {"type": "tag", "begin": '<tool_call>\n{"name": "' + name + '", "arguments": ',
+    return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
             "content": json_format(parameters if parameters is not None else {"type": "object"}),
             "end": "}\n</tool_call>"}
 
 
-def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reasoning: str) -> str | None:
-    """tools: (name, parameters, strict) of each tool offered. choice: "required" (one call or more,
-    of any of them), a tool's name (one call of it), "auto" (text, or calls: constrained only when a
-    tool is strict, and then every call follows its tool's schema) or "none" (None)."""
-    if choice == "none" or not tools or (choice == "auto" and not any(strict for _, _, strict in tools)):
+def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reasoning: str,
+                 parallel: bool = True) -> str | None:
+    """tools: (name, parameters, strict) of each tool offered. choice: "required" (calls only, one or
+    more, of any of them, a newline apart, as Qwen3 writes several), a tool's name (one call of it),
+    "auto" (text and calls: constrained only when a tool is strict or calls are not parallel, and
+    then every call follows its tool's schema) or "none" (None). parallel False: one call at most
+    (OpenAI's parallel_tool_calls), the reply ending with it."""
+    unconstrained = choice == "auto" and parallel and not any(strict for _, _, strict in tools)
+    if choice == "none" or not tools or unconstrained:
         return None
     names = {name: parameters for name, parameters, _ in tools}
-    if choice in ("auto", "required"):
-        calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "excludes": THINK_TAGS,
-                 "tags": [tool_call(name, parameters) for name, parameters in names.items()],
-                 "at_least_one": choice == "required"}
-        return after_reasoning(calls, reasoning)
+    calls = [tool_call(name, parameters) for name, parameters in names.items()]
+    if choice == "auto":
+        return after_reasoning({"type": "triggered_tags", "triggers": ["<tool_call>"], "excludes": THINK_TAGS,
+                                "tags": calls, "stop_after_first": not parallel}, reasoning)
+    if choice == "required":
+        return after_reasoning({"type": "tags_with_separator", "tags": calls, "separator": "\n",
+                                "at_least_one": True, "stop_after_first": not parallel}, reasoning)
     return after_reasoning(tool_call(choice, names[choice]), reasoning)
+
+
+# JSON Schema keywords that xgrammar does not enforce (it would accept output that fails them):
+# refused, so that an answer always validates against the schema it was asked for.
+UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
+              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
+              "patternProperties")
+
+
+def unenforced(schema, path: str = "") -> str | None:
+    """What of a JSON schema the grammar would not enforce, in a sentence naming where, or None:
+    one of UNENFORCED, allOf of several schemas, a $ref outside the document, a required property
+    the schema does not describe, an empty anyOf / oneOf / enum (nothing could match)."""
+    if isinstance(schema, list):
+        return next((found for i, item in enumerate(schema) if (found := unenforced(item, f"{path}[{i}]"))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key in UNENFORCED:
+        if key in schema:
+            return f"{path or 'the schema'} uses {key!r}, which constrained decoding does not enforce"
+    if len(schema.get("allOf", [])) > 1:
+        return f"{path or 'the schema'} uses 'allOf' of several schemas, which constrained decoding does not enforce"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"{path or 'the schema'} refers to {ref!r} outside the schema"
+    for key in ("anyOf", "oneOf", "enum"):
+        if key in schema and not schema[key]:
+            return f"{path or 'the schema'} has an empty {key!r}: nothing can match it"
+    properties = schema.get("properties")
+    described = properties if isinstance(properties, dict) else {}
+    missing = [name for name in schema.get("required", []) if name not in described]
+    if missing:
+        return f"{path or 'the schema'} requires {missing[0]!r}, which its 'properties' do not describe"
+    where = (lambda key: f"{path}.{key}" if path else key)  # noqa: E731
+    subschemas = [(value, where(key)) for key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf",
+                                                  "allOf") if isinstance(value := schema.get(key), (dict, list))]
+    for key in ("properties", "$defs", "definitions"):  # named subschemas: the names are not keywords
+        if isinstance(schema.get(key), dict):
+            subschemas += [(sub, f"{where(key)}.{name}") for name, sub in schema[key].items()]
+    return next((found for sub, at in subschemas if (found := unenforced(sub, at))), None)

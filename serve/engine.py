@@ -34,7 +34,8 @@ with constrained rows launches its forward first, then waits for the previous st
 hands the constrained sequences' to their grammars and writes their masks (xgrammar's threads)
 while the GPU runs that forward, then launches the choice (as SGLang overlaps grammars). A
 constrained sequence whose prefill has just launched joins the decode steps one step later. Its
-grammar compiles in a worker thread while it waits; it is admitted once that is done.
+grammar compiles in a worker thread while it waits (the requests behind it are admitted
+meanwhile); it is admitted once that is done.
 
 Prefix caching: every full block of a sequence (its prompt's, and its generated tokens') is
 registered under the hash chain of its tokens once they are written, and stays cached when the
@@ -323,17 +324,17 @@ class Engine:
         for seq in self.running:
             if budget > 0 and seq.prefilling:
                 take(seq)
-        while budget > 0 and self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting[0]
+        compiling = 0  # requests at the head of the queue whose grammars compile: the ones behind go first
+        while budget > 0 and len(self.waiting) > compiling and len(self.running) < self.max_batch:
+            seq = self.waiting[compiling]
+            if seq.matcher is not None and not self._grammar_ready(seq, GRAMMAR_WAIT_S if not compiling else 0):
+                compiling += seq.finish_reason is None  # else it failed, and has left the queue
+                continue
             if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
                 break
             if self.prefix_cache and self._next_key(seq, lookup=True) in computing:
                 break
-            if seq.matcher is not None and not self._grammar_ready(seq):
-                if seq.finish_reason is None:
-                    break  # compiling: a few milliseconds
-                continue  # failed, and finished
-            if not self._admit(seq):
+            if not self._admit(seq, compiling):
                 break
             take(seq)
         # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
@@ -366,10 +367,10 @@ class Engine:
             tokens = launched.tokens.tolist()
             self.grammars.accept([launched.seqs[i].matcher for i in constrained], [tokens[i] for i in constrained])
 
-    def _grammar_ready(self, seq: Sequence) -> bool:
-        """Whether the sequence's grammar is compiled (waiting up to GRAMMAR_WAIT_S); one that failed to
+    def _grammar_ready(self, seq: Sequence, wait_s: float) -> bool:
+        """Whether the sequence's grammar is compiled (waiting up to wait_s); one that failed to
         compile ends it ("error")."""
-        if not seq.matcher.ready(GRAMMAR_WAIT_S):
+        if not seq.matcher.ready(wait_s):
             return False
         try:
             seq.matcher.start()
@@ -379,10 +380,11 @@ class Engine:
             return False
         return True
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Give the sequence at the head of the queue a row, and blocks for its tokens and the next
-        one's position (so that it is not preempted before its prefill's token has been read):
-        the cached blocks of its prefix, shared, and new ones for the rest. False if they do not fit."""
+    def _admit(self, seq: Sequence, place: int = 0) -> bool:
+        """Give the sequence at `place` in the queue (the head, but for requests whose grammars
+        compile) a row, and blocks for its tokens and the next one's position (so that it is not
+        preempted before its prefill's token has been read): the cached blocks of its prefix,
+        shared, and new ones for the rest. False if they do not fit."""
         bs = self.cache.block_size
         hits = []
         if self.prefix_cache:  # at least its last token is computed: its logits give the next token
@@ -390,7 +392,7 @@ class Engine:
         need = self.cache.blocks_for(len(seq.ids) + 1) - len(hits)
         if self.cache.num_free - self.cache.pool.cached_among(hits) - need < len(self.running):
             return False
-        self.waiting.popleft()
+        del self.waiting[place]
         self.cache.pool.share(hits)
         seq.blocks = hits + self.cache.allocate(need)
         seq.registered = len(hits)
@@ -424,7 +426,9 @@ class Engine:
         rows = self._on_device([s.row for s in finished])
         if len(done) < len(pack):
             logits = logits[self._on_device(done)]
-        tokens = self.sampler(logits, rows, self._how(finished), self._allow(finished))
+        if self._allow(finished):  # the grammars' tokens only: for the choice and the log-probabilities
+            logits = self.sampler.mask(logits, rows)
+        tokens = self.sampler(logits, rows, self._how(finished))
         self.last_token[rows] = tokens
         self._send_back(finished, tokens, token_logprobs(logits, tokens) if self._logprobs(finished) else None)
 

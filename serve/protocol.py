@@ -137,7 +137,7 @@ class Message(Strict):
 
 
 class FunctionDefinition(Strict):
-    name: str
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule: a name a call's JSON holds as it is
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template
     strict: bool | None = None  # its calls follow the parameters schema exactly (constrained decoding)
@@ -176,7 +176,7 @@ class ChatRequest(SamplingFields):
     store: Any = None
     metadata: Any = None  # IGNORED
     service_tier: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None  # false: one call at most (constrained decoding enforces it)
     prediction: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None

@@ -72,7 +72,7 @@ from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
 from .choices import Choice, LogprobsWriter
-from .constraints import json_format, reasoning_of, response_grammar, tool_grammar
+from .constraints import json_format, reasoning_of, response_grammar, tool_grammar, unenforced
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
@@ -232,7 +232,9 @@ class Server:
 
     def grammar(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
         """The grammar the reply must follow (serve/constraints.py), or None; a 400 naming the field
-        whose schema xgrammar cannot build, or a forced tool_choice that names no tool offered."""
+        whose schema xgrammar cannot build or would not enforce, or a forced tool_choice that names
+        no tool offered. Building a grammar may take long (a long regex: seconds): call it from a
+        thread, not the event loop."""
         reasoning = "none"
         if chat:
             reasoning = reasoning_of(self.tokenizer.chat_template, self.tokenizer.decode(prompt_ids[-8:]))
@@ -242,8 +244,11 @@ class Server:
             if fmt.type == "json_schema" and schema is None:
                 raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
                                   param="response_format.json_schema")
+            if fmt.type == "json_object" and fmt.json_schema is not None:
+                raise OpenAIError(400, "response_format of type json_object takes no json_schema (type json_schema "
+                                  "does)", param="response_format.json_schema")
             spec = response_grammar(fmt.type, schema, reasoning)
-            checked(spec, "response_format.json_schema.schema")
+            checked(spec, "response_format.json_schema.schema", schema)
         tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
         if isinstance(choice, NamedToolChoice):
             choice = choice.function.name
@@ -253,14 +258,15 @@ class Server:
         if choice == "required" and not tools:
             raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
         calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
-                             choice, reasoning)
+                             choice, reasoning, parallel=chat and req.parallel_tool_calls is not False)
         if calls is not None:
             if spec is not None:
                 raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
                                   "ask for one of them", param="response_format")
-            for i, tool in enumerate(tools):
-                if tool.function.parameters is not None:
-                    checked(structural_tag(json_format(tool.function.parameters)), f"tools[{i}].function.parameters")
+            for i, tool in enumerate(tools):  # the tools the grammar holds
+                if tool.function.parameters is not None and choice in ("auto", "required", tool.function.name):
+                    checked(structural_tag(json_format(tool.function.parameters)), f"tools[{i}].function.parameters",
+                            tool.function.parameters)
             spec = calls
         return spec
 
@@ -426,12 +432,14 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-def checked(spec: str, where: str) -> None:
-    """A 400 naming the field unless xgrammar can build the grammar of spec."""
+def checked(spec: str, where: str, schema) -> None:
+    """A 400 naming the field unless xgrammar can build the grammar of spec, and enforce its schema."""
     try:
         check_spec(spec)
     except ValueError as err:
         raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {err}", param=where) from None
+    if (problem := unenforced(schema)) is not None:
+        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {problem}", param=where)
 
 
 def json_object(arguments: str, where: str) -> dict:
@@ -526,8 +534,9 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         req = parse(CompletionRequest, await request.body())
         server.check_model(req.model)
         ids = server.completion_prompt(req)
+        grammar = await asyncio.to_thread(server.grammar, req, ids, False)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
-                                               logprobs=req.logprobs, grammar=server.grammar(req, ids, chat=False))
+                                               logprobs=req.logprobs, grammar=grammar)
         return await server.run(request, engine_request, req)
 
     @app.post("/v1/chat/completions")
@@ -544,8 +553,9 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         if req.top_logprobs and not req.logprobs:  # as OpenAI refuses it
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        grammar = await asyncio.to_thread(server.grammar, req, ids, True)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
-                                               logprobs=logprobs, grammar=server.grammar(req, ids, chat=True))
+                                               logprobs=logprobs, grammar=grammar)
         return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
 
     return app

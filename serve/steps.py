@@ -92,7 +92,9 @@ class DecodeStep:
     def _choose(self, n: int, logits: torch.Tensor, how: str, logprobs: bool,
                 masked: bool = False) -> tuple[torch.Tensor, Logprobs | None]:
         rows = self.rows[:n]
-        tokens = self.sampler(logits, rows, how, masked)
+        if masked:  # the distribution chosen from, and its log-probabilities, are the grammar's
+            logits = self.sampler.mask(logits, rows)
+        tokens = self.sampler(logits, rows, how)
         self.last_token[rows] = tokens
         return tokens, token_logprobs(logits, tokens) if logprobs else None
 

@@ -73,6 +73,11 @@ def test_the_grammars_take_qwen3s_formats_and_nothing_else(compiler, tokenizer):
     assert ok(required, "<think>x</think>\n\n" + call) and not ok(required, "<think>x</think>\n\nhello")
     strict = tool_grammar([("get_weather", WEATHER, True)], "auto", "none")
     assert ok(strict, "hello") and ok(strict, "hi " + call) and not ok(strict, "hi " + call.replace("Paris", "P" * 11))
+    assert ok(required, "<think>x</think>\n\n" + call + "\n" + call)  # parallel calls, a newline apart
+    assert not ok(required, "<think>x</think>\n\n" + call + " and more")  # calls only
+    one = tool_grammar(tools, "required", "none", parallel=False)
+    assert ok(one, call) and not ok(one, call + "\n" + call)
+    assert tool_grammar(tools, "auto", "none", parallel=False) is not None  # one call at most: enforced
     assert tool_grammar(tools, "auto", "none") is None and tool_grammar(tools, "none", "none") is None
 
 
@@ -98,7 +103,8 @@ def test_a_constrained_greedy_token_is_transformers_argmax_among_the_allowed(tok
         engine = Engine(model, tokenizer, max_batch=3, n_blocks=64)
         outputs = [[] for _ in range(3)]
         for spec, out in zip([*specs, None], outputs):
-            engine.add(Request(prompt, n, GREEDY, grammar=spec, eos_ids=() if spec is None else None), out.append)
+            engine.add(Request(prompt, n, GREEDY, grammar=spec, eos_ids=() if spec is None else None,
+                               logprobs=5 if spec is not None else None), out.append)
         engine.run()
     finally:
         use_path(model, None)
@@ -109,16 +115,34 @@ def test_a_constrained_greedy_token_is_transformers_argmax_among_the_allowed(tok
         words = xgrammar.allocate_token_bitmask(1, 4096)
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 :]
-        for token, row in zip(tokens, logits):
+        logprobs = [lp for o in out for lp in o.logprobs]
+        for token, row, (_, top_ids, _) in zip(tokens, logits, logprobs):
             matcher.fill_next_token_bitmask(words, 0)
             allowed = torch.tensor([(words[0, i // 32] >> (i % 32)) & 1 for i in range(4096)], dtype=torch.bool)
             best = row.masked_fill(~allowed, float("-inf")).max()
             assert allowed[token] and row[token] >= best - (LOGITS_FP32_ATOL + LOGITS_FP32_RTOL * best.abs())
+            assert top_ids and all(allowed[i] for i in top_ids)  # log-probabilities of the grammar's tokens only
             assert matcher.accept_token(token)
         if out[-1].finish_reason == "stop":  # complete within n tokens: a JSON document of its schema
             jsonschema.validate(json.loads("".join(o.text for o in out)), schema)
     if path == "reference":
         assert all(out[-1].finish_reason == "stop" for out in outputs[:2])
+
+
+def test_a_grammar_that_compiles_long_does_not_hold_the_requests_behind_it(tokenizer):
+    """A schema whose grammar takes long to build (a long bounded repetition: a second or more)
+    waits for it in the queue while a request sent after it is admitted and finishes."""
+    model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, progress=False)
+    engine = Engine(model, tokenizer, max_batch=4, n_blocks=64)
+    slow = structural_tag(json_format({"type": "string", "pattern": "(a|b){1,4000}"}))
+    outputs = [[], []]
+    engine.add(Request([5, 6, 7], 4, GREEDY, grammar=slow), outputs[0].append)
+    engine.add(Request([5, 6, 7], 4, GREEDY, eos_ids=()), outputs[1].append)
+    while not (outputs[1] and outputs[1][-1].finish_reason):
+        engine.step()
+    assert not outputs[0]  # still compiling
+    engine.run()
+    assert outputs[0][-1].finish_reason in ("stop", "length")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +193,8 @@ def test_fifty_random_schemas_each_parse_and_validate(server):
 
 def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
     """tool_choice a named function: one call of it, its arguments of its schema, finish_reason
-    tool_calls, streamed or not; "required": a call of one of the tools."""
+    tool_calls, streamed or not; "required" with parallel_tool_calls false: one call of one of the
+    tools, and nothing else."""
     c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
@@ -182,12 +207,19 @@ def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
     streamed = [d for ch in c.chat.completions.create(**chat(tools=tools, tool_choice=named), stream=True)
                 for d in ch.choices[0].delta.tool_calls or []]
     assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.name, call.arguments)]
-    required = c.chat.completions.create(**chat(tools=tools, tool_choice="required")).choices[0]
-    assert required.message.tool_calls and {t.function.name for t in required.message.tool_calls} <= {"get_weather",
-                                                                                                       "now"}
+    required = c.chat.completions.create(**chat(tools=tools, tool_choice="required", parallel_tool_calls=False))
+    calls = required.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "now")
+    assert required.choices[0].message.content is None and required.choices[0].finish_reason == "tool_calls"
 
 
 BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/x"}}}  # a reference to nothing
+UNENFORCED_SCHEMAS = [  # what xgrammar would not enforce: output that fails them would get through
+    {"type": "object", "required": ["zz"], "properties": {}},
+    {"anyOf": []},
+    {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+    {"allOf": [{"type": "object"}, {"required": ["a"], "properties": {"a": {}}}]},
+]
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -202,6 +234,11 @@ BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/x"}}}  # a reference
      "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "now"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": 'say "hi"'}}]}, "tools[0].function.name"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "r", "schema": {}}}},
+     "response_format.json_schema"),
+    *[({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}},
+       "response_format.json_schema.schema") for schema in UNENFORCED_SCHEMAS],
 ])
 def test_a_grammar_the_server_cannot_follow_is_a_400_naming_the_field(server, fields, param):
     r = httpx.post(f"{server}/v1/chat/completions", timeout=30,
