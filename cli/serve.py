@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "before it counting too, so that a chunk deep in a long prompt is shorter "
                         f"(default: {PREFILL_TOKENS})")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                   help="a Jinja chat template for chat requests in place of the tokenizer's (a base model has "
-                        "none; examples/qwen3-chat-template.jinja is Qwen3's format)")
+                   help="a Jinja chat template for chat requests in place of the tokenizer's; a base model has "
+                        "none: examples/qwen3-chat-template.jinja is Qwen3's format (default: the tokenizer's)")
     p.add_argument("--no-reasoning-parser", dest="reasoning", action="store_false",
                    help="leave a chat reply's reasoning (<think>...</think>) in content, as the model wrote it "
                         "(default: in message.reasoning_content / delta.reasoning_content, where the chat "
