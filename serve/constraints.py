@@ -7,10 +7,12 @@ model reasons first.
     spec = response_grammar(response_format, reasoning)          # None: free text
     spec = tool_grammar(tools, tool_choice, reasoning)
 
-The reasoning block, from the prompt as the chat template ended it: none when the template has
-no think tags or closed an empty block (thinking off); "first" when the model opens it itself
-(Qwen3 with thinking on): `<think>` any text `</think>`, then the answer; "inside" when the
-prompt opened it (the thinking-only 2507 models): any text, `</think>`, then the answer. A tool
+The reasoning block, from the prompt as the chat template ended it: "inside" when the prompt
+opened it (the thinking-only 2507 models): any text, `</think>`, then the answer; "first" when
+the template switches thinking (`enable_thinking`: Qwen3's hybrid models) and did not close an
+empty block in the prompt: the model opens it itself, `<think>` any text `</think>`, then the
+answer; none otherwise (thinking off, a template without think tags, or one that mentions them
+only for the history, as non-thinking models' may). A tool
 call is Qwen3's (hermes) format, as its chat template asks for it and serve/reply.py parses it:
 `<tool_call>\n{"name": "NAME", "arguments": ARGUMENTS}\n</tool_call>`, the arguments following the
 tool's parameters schema.
@@ -30,12 +32,11 @@ THINK_TAGS = [OPEN, CLOSE]  # never inside the reasoning's text or the answer's
 
 def reasoning_of(template: str | None, prompt_tail: str) -> str:
     """How the reply's reasoning block stands, from the template and the prompt's last text."""
-    if not template or OPEN not in template:
-        return "none"
     tail = prompt_tail.rstrip()
     if tail.endswith(OPEN):
         return "inside"
-    return "none" if tail.endswith(CLOSE) else "first"
+    hybrid = template is not None and OPEN in template and "enable_thinking" in template
+    return "first" if hybrid and not tail.endswith(CLOSE) else "none"
 
 
 def after_reasoning(answer: dict, reasoning: str) -> str:

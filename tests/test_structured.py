@@ -26,7 +26,7 @@ from qwen3 import Qwen3ForCausalLM
 from runtime.grammar import structural_tag
 from runtime.sampling import SamplingParams
 from runtime.text import load_tokenizer
-from serve.constraints import json_format, response_grammar, tool_grammar
+from serve.constraints import json_format, reasoning_of, response_grammar, tool_grammar
 from serve.engine import Engine, Request
 
 random_schema = load_script("bench_structured").random_schema
@@ -80,6 +80,17 @@ def test_the_grammars_take_qwen3s_formats_and_nothing_else(compiler, tokenizer):
     assert ok(one, call) and not ok(one, call + "\n" + call)
     assert tool_grammar(tools, "auto", "none", parallel=False) is not None  # one call at most: enforced
     assert tool_grammar(tools, "auto", "none") is None and tool_grammar(tools, "none", "none") is None
+
+
+def test_the_reasoning_block_is_read_from_the_template_and_the_prompt():
+    """Opened by the prompt: inside it; a template that switches thinking, not closed in the
+    prompt: the model opens it; closed (thinking off), or a template without the switch: none."""
+    hybrid = "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    assert reasoning_of(hybrid, "<|im_start|>assistant\n") == "first"
+    assert reasoning_of(hybrid, "<|im_start|>assistant\n<think>\n\n</think>\n\n") == "none"
+    assert reasoning_of("{{ '<think>' }}", "<|im_start|>assistant\n<think>\n") == "inside"
+    assert reasoning_of("{{ m.content.split('</think>')[-1] }} <think>", "<|im_start|>assistant\n") == "none"
+    assert reasoning_of(None, "assistant\n") == "none"
 
 
 def alone(model, prompt, n):
