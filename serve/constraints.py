@@ -103,26 +103,26 @@ def unenforced(schema, path: str = "") -> str | None:
         return next((found for i, item in enumerate(schema) if (found := unenforced(item, f"{path}[{i}]"))), None)
     if not isinstance(schema, dict):
         return None
+    here, prefix = path or "the schema", f"{path}." if path else ""
     for key in UNENFORCED:
         if key in schema:
-            return f"{path or 'the schema'} uses {key!r}, which constrained decoding does not enforce"
+            return f"{here} uses {key!r}, which constrained decoding does not enforce"
     if len(schema.get("allOf", [])) > 1:
-        return f"{path or 'the schema'} uses 'allOf' of several schemas, which constrained decoding does not enforce"
+        return f"{here} uses 'allOf' of several schemas, which constrained decoding does not enforce"
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        return f"{path or 'the schema'} refers to {ref!r} outside the schema"
+        return f"{here} refers to {ref!r} outside the schema"
     for key in ("anyOf", "oneOf", "enum"):
         if key in schema and not schema[key]:
-            return f"{path or 'the schema'} has an empty {key!r}: nothing can match it"
+            return f"{here} has an empty {key!r}: nothing can match it"
     properties = schema.get("properties")
     described = properties if isinstance(properties, dict) else {}
     missing = [name for name in schema.get("required", []) if name not in described]
     if missing:
-        return f"{path or 'the schema'} requires {missing[0]!r}, which its 'properties' do not describe"
-    where = (lambda key: f"{path}.{key}" if path else key)  # noqa: E731
-    subschemas = [(value, where(key)) for key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf",
-                                                  "allOf") if isinstance(value := schema.get(key), (dict, list))]
+        return f"{here} requires {missing[0]!r}, which its 'properties' do not describe"
+    subschemas = [(value, prefix + key) for key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf",
+                                                    "allOf") if isinstance(value := schema.get(key), (dict, list))]
     for key in ("properties", "$defs", "definitions"):  # named subschemas: the names are not keywords
         if isinstance(schema.get(key), dict):
-            subschemas += [(sub, f"{where(key)}.{name}") for name, sub in schema[key].items()]
+            subschemas += [(sub, f"{prefix}{key}.{name}") for name, sub in schema[key].items()]
     return next((found for sub, at in subschemas if (found := unenforced(sub, at))), None)

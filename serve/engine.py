@@ -357,9 +357,10 @@ class Engine:
         """Hand the tokens of the launched steps to the grammars of their constrained sequences
         (waiting for those steps), so that their next masks can be written; once per step."""
         for launched in launched_steps:
-            constrained = [i for i, s in enumerate(launched.seqs)
-                           if s.matcher is not None and not launched.matched and not s.matcher.terminated]
+            if launched.matched:
+                continue
             launched.matched = True
+            constrained = [i for i, s in enumerate(launched.seqs) if s.matcher is not None and not s.matcher.terminated]
             if not constrained:
                 continue
             if launched.ready is not None:
@@ -489,9 +490,9 @@ class Engine:
         it); the others' masks are written once the forward is launched, from the tokens of the
         previous steps."""
         self._grow()
-        prefilled = {id(s) for launched in self.in_flight for s in launched.seqs}  # in this step
+        prefilled = {s for launched in self.in_flight for s in launched.seqs}  # in this step
         seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens
-                and not (s.matcher is not None and (id(s) in prefilled or s.matcher.terminated))]
+                and not (s.matcher is not None and (s in prefilled or s.matcher.terminated))]
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))

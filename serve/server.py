@@ -42,7 +42,8 @@ Choices made here:
   token that arrived since the last, so the loop's work per token falls as load rises. A chunk's
   text may be empty while the detokenizer or a possible stop string holds text back.
 - logprobs are the model's own distribution (runtime/logprobs.py: before the sampler's filters,
-  as vLLM's default), one entry per generated token, a stop token too.
+  as vLLM's default; under a grammar, its masked logits), one entry per generated token, a stop
+  token too.
 - Sampling parameters not given come from the checkpoint's generation_config.json, as in
   scripts/generate.py (so a greedy request equals `generate.py --temperature 0`); max_tokens
   defaults to 16 for completions (OpenAI's default) and to the rest of the context for chat.
@@ -235,9 +236,7 @@ class Server:
         whose schema xgrammar cannot build or would not enforce, or a forced tool_choice that names
         no tool offered. Building a grammar may take long (a long regex: seconds): call it from a
         thread, not the event loop."""
-        reasoning = "none"
-        if chat:
-            reasoning = reasoning_of(self.tokenizer.chat_template, self.tokenizer.decode(prompt_ids[-8:]))
+        reasoning = self.reasoning_block(prompt_ids) if chat else "none"
         spec, fmt = None, req.response_format
         if fmt is not None and fmt.type != "text":
             schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
@@ -270,13 +269,18 @@ class Server:
             spec = calls
         return spec
 
+    def reasoning_block(self, prompt_ids: list[int]) -> str:
+        """How a chat prompt leaves the reply's reasoning block (serve/constraints.py reasoning_of):
+        "inside" (the prompt opened it), "first" (the model opens it) or "none"."""
+        return reasoning_of(self.tokenizer.chat_template, self.tokenizer.decode(prompt_ids[-8:]))
+
     def reply_parser(self, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
         """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
         tags (starting inside it when the prompt ends by opening the think block, as templates of
         thinking-only models do), and the calls of the request's tools unless tool_choice is none."""
         splitter = None
         if self.reasoning:
-            splitter = ReasoningSplitter(thinking=self.tokenizer.decode(prompt_ids[-8:]).rstrip().endswith(OPEN))
+            splitter = ReasoningSplitter(thinking=self.reasoning_block(prompt_ids) == "inside")
         tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
         return ReplyParser(splitter, tools)
 
