@@ -206,7 +206,7 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
         tokenizer = load_tokenizer(checkpoint)
         model = Qwen3ForCausalLM.from_pretrained(checkpoint, dtype=args.dtype, device=device, norm_impl=args.norm,
                                                  kernels=args.kernels, progress=show,
-                                                 tensor_parallel=args.tensor_parallel)
+                                                 tensor_parallel=args.tensor_parallel, quantization=args.quantization)
     except (OSError, ValueError, torch.OutOfMemoryError) as err:
         fail(f"cannot load {args.model}: {err}")
 
@@ -277,6 +277,8 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
     else:
         peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB RSS"
     dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    if model.fp8_block is not None:
+        dtype += " with FP8 projections"
     parallel = f", tensor parallel over {model.tp.size} ranks" if model.tp else ""
     print(
         f"[{len(rows)} prompt(s), {int(attention_mask.sum())} prompt tokens, prefill {prefill_ms:.1f} ms, "

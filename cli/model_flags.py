@@ -20,6 +20,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(default: weights/qwen3-stdlib-tiny, the shipped model)")
     p.add_argument("--revision", default=None, metavar="REV",
                    help="the branch, tag or commit of a --model repo id (default: its main branch)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: quantize a floating-point checkpoint's decoder projections as it loads, in Qwen's "
+                        "FP8 format (128 x 128 blocks): on a GPU of compute capability 8.9+ with the fused kernels, "
+                        "half the weights' memory and bytes per decode step. An FP8 checkpoint (Qwen3-*-FP8) "
+                        "is FP8 without it (default: the checkpoint's weights as they are)")
 
 
 def find_checkpoint(model: str, revision: str | None, stop: Callable[[int], None]) -> Path:

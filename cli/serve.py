@@ -215,6 +215,7 @@ def tokenizer_of(args: argparse.Namespace):
 def start_engine(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> EngineProcess:
     """The engine process, started: it loads the model while serve.py loads its tokenizer."""
     spec = EngineSpec(args.checkpoint, dtype, str(device), norm=args.norm, kernels=args.kernels,
+                      quantization=args.quantization,
                       n_blocks=args.num_blocks, block_size=args.block_size, max_batch=args.max_batch,
                       max_waiting=args.max_waiting, cuda_graph=args.cuda_graph, prefill_tokens=args.prefill_tokens,
                       prefix_cache=args.prefix_cache, threads=args.threads)

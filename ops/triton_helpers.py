@@ -49,6 +49,19 @@ def round_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def to_e4m3(x, dtype: tl.constexpr):
+    """fp32 x (within +-448) rounded to nearest-even in float8_e4m3fn (`dtype`), as the GPU's
+    conversion rounds. Triton's CPU interpreter rounds some values wrongly (3.9: 126.8 -> 64); there
+    the rounding is done by hand in fp32 first: 3 mantissa bits for normal values (|x| >= 2^-6),
+    multiples of 2^-9 below (adding and taking away 1.5 * 2^14 rounds there), then converted exactly."""
+    if INTERPRETED:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) >= 0.015625, normal, (x + 24576.0) - 24576.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def swiglu(gate, up, dtype: tl.constexpr):
     """silu(gate) * up in fp32 from fp32 gate and up, rounded as transformers' `act_fn(gate) * up`
     rounds in dtype: gate and up to dtype (as the projections' outputs are), silu to dtype; the

@@ -62,6 +62,8 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     padded[:rows, :cols] = weight.float()
     blocks = padded.unflatten(0, (grid[0], block[0])).unflatten(2, (grid[1], block[1]))  # [R, b0, C, b1]
     amax = blocks.abs().amax(dim=(1, 3))
-    scale_inv = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # Divided by a tensor on amax's device: CUDA divides by a Python number as a multiplication by
+    # its reciprocal, a last bit away from the CPU's (and the kernels') quotient.
+    scale_inv = torch.where(amax > 0, amax / amax.new_tensor(E4M3_MAX), torch.ones_like(amax))
     q = (blocks / scale_inv[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale_inv

@@ -14,10 +14,12 @@ from torch import nn
 
 from ops import fused_add_rms_norm, rms_norm
 from ops.linear import skinny_gemm
+from ops.linear.fp8 import dequantize_fp8
 from ops.linear.gemv import gemv, gemv_rms_norm
 from ops.linear.silu_mul import silu_mul
 
 from .config import Qwen3Config
+from .fp8 import dequantize
 from .parallel import TensorParallel
 
 
@@ -47,9 +49,26 @@ class FusedLinear(nn.Linear):
         self.parts = parts
 
     def part_rows(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{part name: the rows of `param` (this module's weight or bias) that belong to it}."""
-        starts = [0, *torch.tensor(list(self.parts.values())).cumsum(0).tolist()]
+        """{part name: the rows of `param` (this module's weight or bias, or an FP8 weight's block
+        scales, a row per block of rows) that belong to it}."""
+        per_row = param.shape[0] / self.out_features  # 1, or 1 / block rows for FP8 scales
+        starts = [round(start * per_row) for start in [0, *torch.tensor(list(self.parts.values())).cumsum(0).tolist()]]
         return {name: param[start:end] for name, start, end in zip(self.parts, starts, starts[1:])}
+
+
+def fp8_scales(layer: nn.Module) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+    """(weight_scale_inv, block) of a projection whose weight is held in FP8 (qwen3/quantized.py),
+    (None, None) for one in the activations' dtype."""
+    return getattr(layer, "weight_scale_inv", None), getattr(layer, "weight_block", None)
+
+
+def dequantized(layer: nn.Linear, dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    """The layer's weight in dtype: as it is, or an FP8 one dequantized (a Triton kernel on the
+    fused path, torch operations otherwise: the same arithmetic)."""
+    scale, block = fp8_scales(layer)
+    if scale is None:
+        return layer.weight
+    return dequantize_fp8(layer.weight, scale, block, dtype) if fused else dequantize(layer.weight, scale, block, dtype)
 
 
 
@@ -58,13 +77,17 @@ def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, gated: bool = False) 
     On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and a few rows
     (a batched decode step) the skinny GEMM where it is faster: both stream the weights faster
     than cuBLAS's kernels for those shapes and apply the gate as they round their sums
-    (ops/linear/gemv.py, ops/linear/skinny_gemm.py)."""
+    (ops/linear/gemv.py, ops/linear/skinny_gemm.py). An FP8 weight: those kernels read it as
+    stored at up to 64 rows; more rows (a prefill) dequantize it for cuBLAS's matmul."""
     rows = x.numel() // x.shape[-1] if fused else 0
+    scale, block = fp8_scales(layer)
     if rows == 1:
-        return gemv(x, layer.weight, layer.bias, gated)
+        return gemv(x, layer.weight, layer.bias, gated, scale, block)
+    if scale is not None and skinny_gemm.takes_fp8(rows):
+        return skinny_gemm.skinny_linear(x, layer.weight, layer.bias, gated, scale, block, fp8_activations=True)
     if skinny_gemm.faster_than_cublas(rows, layer.weight):
         return skinny_gemm.skinny_linear(x, layer.weight, layer.bias, gated)
-    y = layer(x)
+    y = F.linear(x, dequantized(layer, x.dtype, fused), layer.bias)
     if not gated:
         return y
     if fused:
@@ -82,7 +105,7 @@ def normed_linear(norm: "RMSNorm | None", layer: nn.Linear, h: torch.Tensor, res
     if norm is None:
         return linear(layer, h, fused, gated), h
     if fused and h.numel() == h.shape[-1]:
-        return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated)
+        return gemv_rms_norm(h, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated, *fp8_scales(layer))
     h, residual = norm(h, residual) if residual is not None else (norm(h), h)
     return linear(layer, h, fused, gated), residual
 
@@ -93,7 +116,7 @@ def stack_fused_parts(module: nn.Module, state_dict: dict, prefix: str, *args) -
     fused parameter, so `load_state_dict(hf_module.state_dict())` works."""
     for name, child in module.named_children():
         if isinstance(child, FusedLinear):
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias", "weight_scale_inv"):
                 keys = [f"{prefix}{part}.{kind}" for part in child.parts]
                 if all(key in state_dict for key in keys):
                     state_dict[f"{prefix}{name}.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])

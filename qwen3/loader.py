@@ -21,6 +21,7 @@ from runtime.sampling import sampling_params
 from .config import Qwen3Config
 from .fp8 import SCALE_KEY, dequantize, fp8_block_size, scale_shape
 from .parallel import TensorParallel, resolve_parallel_device
+from .quantized import BLOCK, check_quantization, hold_fp8, quantize_weights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,11 +136,15 @@ def _open(file: Path):
 
 
 def empty_model(model_class: type, config: Qwen3Config, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel | None = None):
+                tp: TensorParallel | None = None, hold=None):
     """The model (with tp, this rank's part) in `dtype` on `device` with uninitialized weights:
-    built on the meta device, so that nothing is allocated twice or initialized at random."""
+    built on the meta device, so that nothing is allocated twice or initialized at random.
+    hold: called with the model on the meta device, before any memory is given to it (to hold
+    some weights in FP8: qwen3/quantized.py)."""
     with torch.device("meta"):
         model = model_class(config, tp).to(dtype)
+        if hold is not None:
+            hold(model)
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty made new tensors: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -155,6 +160,7 @@ def load_model(
     progress: bool = True,
     tensor_parallel: bool = False,
     kernels: str | None = None,
+    quantization: str | None = None,
 ):
     """The checkpoint in directory `path` as a model_class (Qwen3ForCausalLM) in eval mode, with its
     generation_config.json (if any) as `model.generation_config`.
@@ -165,6 +171,10 @@ def load_model(
     the CPU). kernels: the fused Triton kernels or the reference operations (default "auto": fused
     on CUDA). progress: a bar on stderr, once loading has taken over a second. tensor_parallel:
     this rank's part of the model, over the default process group (qwen3/parallel.py).
+    quantization: "fp8" quantizes a floating-point checkpoint's decoder projections as it loads
+    (qwen3/quantized.py); an FP8 checkpoint is FP8 whatever this says. FP8 weights stay FP8 where
+    the fused kernels run them (one GPU of compute capability 8.9 or newer, or the Triton
+    interpreter), and are dequantized to `dtype` everywhere else.
     Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
     naming the file and the key.
     """
@@ -178,13 +188,19 @@ def load_model(
     dtype = resolve_dtype(dtype, device, config.dtype)
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
-    ops.resolve_kernels(config.kernels, device)
+    fused = ops.resolve_kernels(config.kernels, device) == "fused"
+    check_quantization(quantization)
     tp = None
     if tensor_parallel:  # refuses a missing process group and a model that does not split
         device = resolve_parallel_device(device)
         tp = TensorParallel.from_default_group(config, device)
 
-    model = empty_model(model_class, config, dtype, device, tp)
+    block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+    keep_fp8 = fused and tp is None and runs_fp8(device)
+    stored_fp8 = fp8_weight_keys(path) if block is not None and keep_fp8 else set()
+    held: set[str] = set()  # checkpoint keys of the weights held in FP8; every other FP8 one is dequantized
+    model = empty_model(model_class, config, dtype, device, tp,
+                        hold=lambda m: held.update(hold_fp8(m, block, stored_fp8)) if stored_fp8 else None)
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
     if tp is None:
         shapes = {key: tuple(param.shape) for key, param in params.items()}
@@ -193,9 +209,10 @@ def load_model(
             whole = model_class(config)
         shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
-    block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
-    plan = copy_plan(path, config, shapes, tp, block)  # every key, shape and dtype checked before anything is copied
+    plan = copy_plan(path, config, shapes, tp, block, held)  # every key, shape and dtype checked before any copy
     copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0), block)
+    if quantization == "fp8" and block is None:
+        quantize_weights(model, BLOCK, hold=keep_fp8)
     model.generation_config = generation_config
     if tp is not None:
         model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
@@ -203,13 +220,29 @@ def load_model(
     return model.eval()
 
 
+def runs_fp8(device: torch.device) -> bool:
+    """Whether the fused kernels can read FP8 weights on `device`: Triton converts float8_e4m3fn
+    on GPUs of compute capability 8.9 (Ada, Hopper) or newer, and in its CPU interpreter."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_weight_keys(path: Path) -> set[str]:
+    """The keys of the weights an FP8 checkpoint stores in float8."""
+    keys = set()
+    for shard in checkpoint_files(path):
+        with _open(path / shard) as f:
+            keys.update(key for key in f.keys() if f.get_slice(key).get_dtype() == FP8_STORAGE)
+    return keys
+
+
 def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: TensorParallel | None,
-              block: tuple[int, int] | None = None) -> list[tuple[str, list[tuple]]]:
+              block: tuple[int, int] | None = None, held: set[str] = frozenset()) -> list[tuple[str, list[tuple]]]:
     """[(shard, [(key, index, scale)])]: what to copy from each checkpoint file (index: this rank's
     part of the tensor, None for all of it; scale: (shard, key) of an FP8 weight's multipliers,
-    qwen3/fp8.py, None for a weight stored in floating point), once every key, shape and dtype has
-    been checked against `shapes` (the whole model's). block: an FP8 checkpoint's weight block
-    size (None: not FP8). ValueError naming the file and the key otherwise."""
+    qwen3/fp8.py, for one to dequantize as it loads, None for one copied as stored), once every
+    key, shape and dtype has been checked against `shapes` (the whole model's). block: an FP8
+    checkpoint's weight block size (None: not FP8); held: its weights the model holds in FP8
+    (their scales are then parameters of their own). ValueError naming the file and the key otherwise."""
     shards = checkpoint_files(path)
     scales: dict[str, tuple[str, tuple, str]] = {}  # FP8: weight key -> (shard, shape, dtype) of its scale
     if block is not None:
@@ -232,8 +265,8 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
             for key in keys:
                 if key.endswith("rotary_emb.inv_freq"):
                     continue  # a derived buffer some exporters save; we compute it
-                if block is not None and key.endswith(SCALE_KEY):
-                    continue  # read with its weight
+                if block is not None and key.endswith(SCALE_KEY) and key not in shapes:
+                    continue  # read with its weight, to dequantize it
                 if key == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the head is the embedding matrix
                 if key not in shapes:
@@ -246,6 +279,8 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
                 scale = None
                 if block is not None and stored.get_dtype() == FP8_STORAGE:
                     scale = fp8_scale(key, shard, shape, block, scales)
+                    if key in held:
+                        scale = None  # copied as stored, its scale beside it
                 elif stored.get_dtype() not in FLOAT_STORAGE:
                     fp8 = " (an FP8 checkpoint's config.json has a quantization_config)" if stored.get_dtype() == \
                         FP8_STORAGE else ""

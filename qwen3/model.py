@@ -134,6 +134,11 @@ class Qwen3ForCausalLM(nn.Module):
         logits = self(input_ids.reshape(-1), positions.reshape(-1), metadata.plain(B, T, device))
         return logits.view(B, T, -1)
 
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The block size of the weights held in FP8 (qwen3/quantized.py), None when none is."""
+        return next((m.weight_block for m in self.modules() if getattr(m, "weight_block", None)), None)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """{Hugging Face checkpoint key: the parameter, or the rows of a fused one, it fills}. The
         loader copies each checkpoint tensor into its entry; saving these gives a HF checkpoint."""
@@ -164,6 +169,7 @@ class Qwen3ForCausalLM(nn.Module):
         tensor_parallel: bool = False,
         kernels: str | None = None,
         revision: str | None = None,
+        quantization: str | None = None,
     ) -> "Qwen3ForCausalLM":
         """Load a Hugging Face Qwen3 checkpoint (config.json, model.safetensors or a sharded
         model.safetensors.index.json, optionally generation_config.json): `path` is its directory,
@@ -189,6 +195,11 @@ class Qwen3ForCausalLM(nn.Module):
             parameters do not require grad). A ValueError without a process group, for a model
             whose heads (or F, V) do not divide over the ranks, and for Qwen3-MoE checkpoints.
         revision: the branch, tag or commit of a repo id (default: its main branch).
+        quantization: "fp8" quantizes the decoder's projections of a floating-point checkpoint
+            as it loads, in Qwen's FP8 format (blocks of 128 x 128; qwen3/quantized.py). An FP8
+            checkpoint (Qwen3-*-FP8) is FP8 whatever this says. FP8 weights stay FP8, read by
+            the fused kernels at half bf16's bytes, on one GPU of compute capability 8.9 or
+            newer; on the reference path they are dequantized to `dtype` (bf16's memory).
 
         Every tensor's name and shape is checked against the config before anything is copied;
         a mismatch raises a ValueError naming the file and the tensor.
@@ -197,7 +208,8 @@ class Qwen3ForCausalLM(nn.Module):
         from .loader import load_model
 
         return load_model(cls, resolve_checkpoint(path, revision), dtype=dtype, device=device, norm_impl=norm_impl,
-                          progress=progress, tensor_parallel=tensor_parallel, kernels=kernels)
+                          progress=progress, tensor_parallel=tensor_parallel, kernels=kernels,
+                          quantization=quantization)
 
     def set_norm_impl(self, impl: str) -> None:
         """Switch every RMSNorm in the model (input, post-attention, q, k, final) to `impl`."""

@@ -22,6 +22,7 @@ from ops.moe.fused_moe import fused_moe, fused_moe_reference
 from ops.moe.moe_route import moe_route
 
 from .config import Qwen3Config
+from .fp8 import dequantize
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's tensors of one expert
 
@@ -51,15 +52,31 @@ class Experts(nn.Module):
 
     def checkpoint_views(self, name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """{checkpoint key relative to this module ("3.up_proj.weight"): its slice of param}
-        for param = getattr(self, name)."""
-        I = self.intermediate_size  # noqa: E741
-        if name == "down_proj":
-            return {f"{e}.down_proj.weight": param[e] for e in range(self.num_experts)}
+        for param = getattr(self, name): a weight, or an FP8 weight's block scales (name
+        "gate_up_proj_scale_inv", key "3.up_proj.weight_scale_inv"; qwen3/quantized.py)."""
+        projection, scales, _ = name.partition("_scale_inv")
+        kind = "weight_scale_inv" if scales else "weight"
+        if projection == "down_proj":
+            return {f"{e}.down_proj.{kind}": param[e] for e in range(self.num_experts)}
+        half = param.shape[1] // 2  # I rows of the gate, then I of up (of scales: a row per block)
         views = {}
         for e in range(self.num_experts):
-            views[f"{e}.gate_proj.weight"] = param[e, :I]
-            views[f"{e}.up_proj.weight"] = param[e, I:]
+            views[f"{e}.gate_proj.{kind}"] = param[e, :half]
+            views[f"{e}.up_proj.{kind}"] = param[e, half:]
         return views
+
+    def fp8_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int] | None]:
+        """(gate_up scales, down scales, block) of experts held in FP8; (None, None, None) otherwise."""
+        return (getattr(self, "gate_up_proj_scale_inv", None), getattr(self, "down_proj_scale_inv", None),
+                getattr(self, "weight_block", None))
+
+    def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) in dtype, the activations': FP8 ones dequantized (torch ops)."""
+        s13, s2, block = self.fp8_scales()
+        if block is None:
+            return self.gate_up_proj, self.down_proj
+        return (torch.stack([dequantize(q, s, block, dtype) for q, s in zip(self.gate_up_proj, s13)]),
+                torch.stack([dequantize(q, s, block, dtype) for q, s in zip(self.down_proj, s2)]))
 
 
 def stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:
@@ -111,6 +128,10 @@ class SparseMoeBlock(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
         kernel = fused or (x.is_cuda and not needs_grad)
         weights, ids = self.route(x, kernel)
-        moe = fused_moe if kernel else fused_moe_reference
-        return moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids), residual
+        if kernel:
+            s13, s2, block = self.experts.fp8_scales()
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, s13, s2, block)
+        else:
+            out = fused_moe_reference(x, *self.experts.dequantized(x.dtype), weights, ids)
+        return out, residual
 

@@ -17,7 +17,10 @@ transformers timed the same way through a streamer); prefill_ms = time to the fi
 weight bytes read per decode step x decode steps per second / the measured copy bandwidth
 (weights only: at large batches the KV cache adds reads this leaves out; of a MoE model's
 experts, those that batch x k uniformly routed tokens are expected to hit: step_weight_bytes).
-Also times a --long-prompt-token prefill of ours against transformers' (SDPA). --json extends an
+Also times a --long-prompt-token prefill of ours against transformers' (SDPA).
+--quantization fp8: ours quantized as from_pretrained(quantization="fp8") quantizes (Qwen's FP8
+format, 128 x 128 blocks, the FP8 decode kernels), rows named "qwen3-<model>-fp8", weight_GB the
+FP8 model's; the long prefill is then timed in bf16 too (ours_bf16_ms), before quantizing. --json extends an
 earlier file (rows of the same model, engine, batch and tp are replaced): each row names the
 commit it was measured at.
 
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from qwen3.loader import empty_model  # noqa: E402
 from qwen3.parallel import TensorParallel  # noqa: E402
+from qwen3.quantized import BLOCK, quantize_weights  # noqa: E402
 from runtime import metadata  # noqa: E402
 
 CONFIGS = {  # the real Qwen3 architectures
@@ -205,6 +209,15 @@ def time_hf(model, ids, new, **kwargs):
     return (t[0] - start) * 1e3, (len(t) - 1 - first) / (t[-1] - t[first])
 
 
+def time_long_prefill(ours, tokens: int, device) -> float:
+    """ms of ours' prefill of one random prompt of `tokens` tokens (logits of the last only)."""
+    ids = torch.randint(0, ours.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(device)
+    last_token = metadata.plain(1, tokens, device, last_only=True)
+    positions = torch.arange(tokens, device=device)
+    time_prefill(lambda: ours(ids, positions, last_token), repeats=2)  # warm up
+    return time_prefill(lambda: ours(ids, positions, last_token))
+
+
 def time_prefill(fn, repeats=5) -> float:
     times = []
     for _ in range(repeats):
@@ -216,13 +229,17 @@ def time_prefill(fn, repeats=5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def model_name(name: str, args) -> str:
+    return f"qwen3-{name}" + (f"-{args.quantization}" if getattr(args, "quantization", None) else "")
+
+
 def decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy) -> dict:
     """One result row (docs/benchmarks/decode-h200.json's schema); weights as resident on this process,
     and the copy bandwidth of this run, which hbm_fraction divides by (an extended file keeps rows of
     other runs)."""
     weight_bytes = sum(t.numel() * t.element_size() for t in ours.parameters())
     sampling = SAMPLED if engine == "ours_sampled" else GREEDY
-    return dict(model=f"qwen3-{name}", engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=tp,
+    return dict(model=model_name(name, args), engine=engine, batch=batch, prompt=args.prompt, new=args.new, tp=tp,
                 **sampling, commit=args.commit, decode_tok_s=round(steps * batch, 1), prefill_ms=round(prefill_ms, 2),
                 weight_GB=round(weight_bytes / 1e9, 3), copy_GBps=round(copy, 1),
                 hbm_fraction=round(step_weight_bytes(ours, batch) * steps / 1e9 / copy, 3))
@@ -385,6 +402,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks, under torchrun with as many processes (see above); default 1")
     p.add_argument("--parity", action="store_true", help="with --tp: first check greedy tokens tp=N == tp=1 (fp32)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="ours with FP8 projections (see above); transformers stays bf16")
     args = p.parse_args()
     if args.tp > 1:
         args.engines = args.engines or ["ours"]
@@ -399,6 +418,17 @@ def main() -> None:
     for name in args.models:
         hf, ours = build(name, device, dtype, args.norm)
         gen = torch.Generator().manual_seed(0)
+        bf16_prefill_ms = None
+        if args.quantization:
+            if args.long_prompt:  # bf16 first, for the comparison
+                with torch.inference_mode():
+                    bf16_prefill_ms = time_long_prefill(ours, args.long_prompt, device)
+            quantize_weights(ours, BLOCK, hold=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                ours_gb = sum(t.numel() * t.element_size() for t in ours.parameters()) / 1e9
+                print(f"{model_name(name, args)}: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated with "
+                      f"transformers' bf16 model, {ours_gb:.2f} GB of it ours", flush=True)
         for batch in args.batches:
             ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
             for engine in args.engines:
@@ -425,9 +455,11 @@ def main() -> None:
             last_token = metadata.plain(1, args.long_prompt, device, last_only=True)  # its logits only, as HF's
             with torch.inference_mode():
                 mask = torch.ones_like(ids)
-                row = dict(model=f"qwen3-{name}", prompt=args.long_prompt, commit=args.commit,
+                row = dict(model=model_name(name, args), prompt=args.long_prompt, commit=args.commit,
                            ours_ms=round(time_prefill(lambda: ours(ids[0], positions, last_token)), 2),
                            hf_sdpa_ms=round(time_prefill(lambda: hf(ids, attention_mask=mask, logits_to_keep=1)), 2))
+                if bf16_prefill_ms is not None:
+                    row["ours_bf16_ms"] = round(bf16_prefill_ms, 2)
             prefills.append(row)
             print(json.dumps(row), flush=True)
         hf = ours = None  # free this model's memory before the next is built

@@ -5,6 +5,7 @@
 #                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [serve-logprobs] [structured]
 #                                  [scenarios] [engine] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
+#                                  [fp8-linear] [fp8-tests] [decode-0.6b-fp8] [decode-8b-fp8] [decode-30b-a3b-fp8]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
 #
 # tests: every test of the repository with compiled kernels (TRITON_INTERPRET=0), into OUT/gpu-tests.log,
@@ -36,6 +37,10 @@
 # extend-attention: scripts/bench_extend_attention.py: the paged chunk-attention kernel's tile configurations
 #        (EXTEND_CONFIGS="rows,keys,warps,stages ...") against SDPA at 4k-32k, 0.6B and 8B heads (about 2 minutes).
 # long-prompts, long-prompts-8b, multi-turn-8b: one scenario of bench_scenarios.py at that config.
+# fp8-linear: scripts/bench_fp8_linear.py: the FP8 products at Qwen3-8B's shapes against bf16, 1 to 2,048 rows
+#        (about a minute). fp8-tests: tests/test_fp8*.py.
+# decode-MODEL-fp8 (0.6b, 8b, 30b-a3b): bench_generate.py --quantization fp8, ours greedy and sampled, batch 1
+#        and 64 (30b-a3b: 1 and 32), and the 2,048-token prefill in FP8 and bf16; rows "qwen3-MODEL-fp8".
 # engine: scripts/bench_engine.py, the serving engine in-process (no HTTP) under the same load at 20 and
 #        256 clients, greedy, with Qwen3's recommended sampling (temperature 0.6, top-p 0.95, top-k 20) and
 #        with top-p alone (temperature 1, top-p 0.95), into OUT/engine.log: what the served run is compared
@@ -77,6 +82,19 @@ for stage in $stages; do
       timeout 540 python scripts/bench_rmsnorm.py --out "$out/bench" ${COMMIT:+--commit "$COMMIT"} > "$out/bench.log" 2>&1
       tail -n 5 "$out/bench.log"
       tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench" ;;
+    fp8-linear)
+      timeout 300 python scripts/bench_fp8_linear.py > "$out/fp8-linear.log" 2>&1
+      cat "$out/fp8-linear.log" ;;
+    fp8-tests)
+      timeout -s INT 400 python -m pytest -q -n 4 tests/test_fp8.py tests/test_fp8_kernels.py > "$out/fp8-tests.log" 2>&1
+      tail -n 5 "$out/fp8-tests.log" ;;
+    decode-*-fp8)
+      model=${stage#decode-}; model=${model%-fp8}
+      batches=$([ "$model" = 30b-a3b ] && echo "1 32" || echo "1 64")
+      timeout 540 python scripts/bench_generate.py --models "$model" --quantization fp8 --batches $batches \
+        --engines ours ours_sampled --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} \
+        >> "$out/decode.log" 2>&1
+      grep -v '^{' "$out/decode.log" | grep fp8 | tail -n 2; grep '^{' "$out/decode.log" | tail -n 5 ;;
     decode-30b-a3b)
       timeout 540 python scripts/bench_generate.py --models 30b-a3b --batches 1 32 --hf-batches 1 \
         --engines ours ours_eager hf_eager --json "$out/decode-h200.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1

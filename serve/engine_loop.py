@@ -34,6 +34,7 @@ class EngineSpec:
     device: str
     norm: str = "auto"
     kernels: str = "auto"
+    quantization: str | None = None
     n_blocks: int | None = None
     block_size: int = 16
     max_batch: int = 16
@@ -82,8 +83,7 @@ def build_engine(spec: EngineSpec) -> Engine:
     torch.set_num_threads(engine_threads(spec.threads, device))
     tokenizer = load_tokenizer(spec.model)
     model = Qwen3ForCausalLM.from_pretrained(spec.model, dtype=spec.dtype, device=device, norm_impl=spec.norm,
-                                             kernels=spec.kernels,
-                                             progress=False)
+                                             kernels=spec.kernels, quantization=spec.quantization, progress=False)
     n_blocks = spec.n_blocks or default_blocks(model, device, spec.max_batch, spec.block_size)
     return Engine(model, tokenizer, n_blocks=n_blocks, block_size=spec.block_size, max_batch=spec.max_batch,
                   max_waiting=spec.max_waiting, cuda_graph=spec.cuda_graph, prefill_tokens=spec.prefill_tokens,

@@ -1,5 +1,7 @@
-"""Qwen's FP8 checkpoints (qwen3/fp8.py): scripts/quantize_fp8.py writes them, from_pretrained
-loads them (dequantized as they load), on the CPU.
+"""Qwen's FP8 checkpoints (qwen3/fp8.py, qwen3/quantized.py): scripts/quantize_fp8.py writes them,
+from_pretrained loads them (dequantized as they load on the reference path; held in FP8 where the
+fused kernels run, here through Triton's interpreter), and quantization="fp8" quantizes a bf16
+checkpoint as it loads, on the CPU. The kernels themselves: tests/test_fp8_kernels.py.
 
 Reference: transformers loading the same FP8 checkpoint with its FineGrainedFP8 integration
 (FineGrainedFP8Config(dequantize=True)): its weights and logits. Blocks of 32 here divide every
@@ -8,16 +10,24 @@ from the scales' grid)."""
 
 import json
 
+import httpx
 import pytest
+import servers
 import torch
 import transformers
-from checkpoints import hf_model, save
+from checkpoints import hf_model, prompts, save, save_tokenizer
+from conftest import DEVICE, requires_cuda
 from in_process import load_script
 from test_moe import hf_moe_model
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
 from qwen3.fp8 import E4M3_MAX, dequantize, quantize
+
+FUSED = dict(kernels="fused", norm_impl="triton", device=DEVICE)  # on the CPU through Triton's interpreter
+# Every decoder projection divides into 128 x 128 blocks (quantization="fp8"'s, Qwen's): q, k, v
+# 2 x 64 rows, F 256.
+WHOLE_BLOCKS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
 
 quantize_fp8 = load_script("quantize_fp8")
 BLOCK = (32, 32)
@@ -121,3 +131,99 @@ def test_what_cannot_be_loaded_is_one_clear_error(tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight in model.safetensors has no"):
         Qwen3ForCausalLM.from_pretrained(path, progress=False)
+
+
+def fp8_params(model) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_fused_path_holds_fp8_weights_and_computes_the_dequantized_model(tmp_path, kind):
+    """Where the fused kernels run, an FP8 checkpoint's projections (and experts) stay FP8, beside
+    their scales; the router, norms, embeddings and head do not. Logits of a decode step (one row:
+    the weight-only GEMV) and of a 70-token prefill (dequantized for the matmul; the MoE's sorted
+    tiles read FP8) equal transformers' dequantized model; so do greedy tokens after that prompt."""
+    model = hf_model(seed=5) if kind == "dense" else hf_moe_model(seed=5)
+    path = fp8_checkpoint(model, tmp_path, "40KB")
+    ours = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, **FUSED)
+    held = fp8_params(ours)
+    expected = {"self_attn.qkv_proj.weight", "self_attn.o_proj.weight"} | (
+        {"mlp.gate_up_proj.weight", "mlp.down_proj.weight"} if kind == "dense" else
+        {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"})
+    assert {name.split(".", 3)[3] for name in held} == expected
+    scales = {name: p.dtype for name, p in ours.named_parameters() if name.endswith("scale_inv")}
+    assert len(scales) == len(held) and set(scales.values()) == {torch.float32}
+    assert ours.fp8_block == BLOCK
+    reference = transformers_fp8(path)
+    prompt = torch.tensor([prompts([70], 384, seed=2)[0]])
+    with torch.no_grad():
+        for ids in (prompt, prompt[:, :1]):
+            torch.testing.assert_close(ours(ids.to(DEVICE)).cpu(), reference(ids).logits, rtol=LOGITS_FP32_RTOL,
+                                       atol=LOGITS_FP32_ATOL)
+    theirs = reference.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt),
+                                pad_token_id=0)
+    assert torch.equal(ours.generate(prompt.to(DEVICE), 6, temperature=0).cpu(), theirs)
+
+
+def test_quantizing_on_load_is_the_quantizer_script(tmp_path):
+    """from_pretrained(quantization="fp8") of a floating-point checkpoint is scripts/quantize_fp8.py's
+    checkpoint (blocks of 128) loaded: on the fused path the same FP8 weights and scales, exactly;
+    on the reference path the same dequantized weights, so the same logits exactly. A MoE whose
+    experts are not whole blocks (I = 32) is quantized per checkpoint tensor too (gate and up
+    apart) and computed in its dtype."""
+    dense = save(hf_model(seed=6, **WHOLE_BLOCKS), tmp_path / "dense")
+    moe = save(hf_moe_model(seed=6), tmp_path / "moe")
+    for source in (dense, moe):
+        quantize_fp8.main([str(source), str(source.with_name(source.name + "-fp8"))])
+    quantized = Qwen3ForCausalLM.from_pretrained(dense, dtype=torch.float32, progress=False, quantization="fp8",
+                                                 **FUSED)
+    stored = Qwen3ForCausalLM.from_pretrained(tmp_path / "dense-fp8", dtype=torch.float32, progress=False, **FUSED)
+    assert fp8_params(quantized).keys() == fp8_params(stored).keys() and fp8_params(quantized)
+    for (name, a), b in zip(quantized.state_dict().items(), stored.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), name
+    ids = torch.tensor([prompts([9], 384, seed=3)[0]])
+    for source in (dense, moe):
+        ours = Qwen3ForCausalLM.from_pretrained(source, dtype=torch.float32, progress=False, quantization="fp8")
+        theirs = Qwen3ForCausalLM.from_pretrained(source.with_name(source.name + "-fp8"), dtype=torch.float32,
+                                                  progress=False)
+        assert not fp8_params(ours)
+        with torch.no_grad():
+            assert torch.equal(ours(ids), theirs(ids))
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; 'fp8'"):
+        Qwen3ForCausalLM.from_pretrained(dense, progress=False, quantization="int4")
+
+
+def test_generate_cli_quantizes_with_a_flag(tmp_path, run_cli):
+    """scripts/generate.py --quantization fp8 writes what it writes for the quantizer's checkpoint,
+    and says in its summary that the projections are FP8 where they are held so (the fused path)."""
+    source = save(hf_model(seed=7, **WHOLE_BLOCKS), tmp_path / "source")
+    save_tokenizer(source)
+    quantize_fp8.main([str(source), str(tmp_path / "fp8")])
+    args = ["--prompt", "hello there", "--max-new-tokens", "6", "--temperature", "0"]
+    flagged = run_cli("--model", str(source), "--quantization", "fp8", *args)
+    stored = run_cli("--model", str(tmp_path / "fp8"), *args)
+    assert flagged.returncode == stored.returncode == 0, flagged.stderr + stored.stderr
+    assert flagged.stdout == stored.stdout
+    plain = run_cli("--model", str(source), *args)
+    fused = run_cli("--model", str(source), "--quantization", "fp8", "--kernels", "fused", "--norm", "triton",
+                    "--device", DEVICE.type, *args)
+    assert "with FP8 projections" in fused.stderr and "with FP8 projections" not in plain.stderr
+    bad = run_cli("--model", str(source), "--quantization", "int4", *args)
+    assert bad.returncode == 2 and "invalid choice: 'int4'" in bad.stderr
+
+
+@requires_cuda
+def test_serving_an_fp8_checkpoint_on_the_gpu(tmp_path, run_cli, monkeypatch):
+    """serve.py on the GPU with an FP8 checkpoint (held in FP8: the fused path) answers a greedy
+    completion with what generate.py writes for the same prompt on the same checkpoint."""
+    source = save(hf_model(seed=8, **WHOLE_BLOCKS), tmp_path / "source")
+    save_tokenizer(source)
+    quantize_fp8.main([str(source), str(tmp_path / "fp8")])
+    cli = run_cli("--model", str(tmp_path / "fp8"), "--device", "cuda", "--prompt", "hello there", "--no-chat",
+                  "--max-new-tokens", "8", "--temperature", "0")
+    assert cli.returncode == 0 and "with FP8 projections" in cli.stderr, cli.stderr
+    monkeypatch.setattr(servers, "ENV", {**servers.ENV, "TRITON_INTERPRET": "0"})  # compiled kernels
+    with servers.serving(tmp_path / "fp8", tmp_path, "--device", "cuda") as served:
+        reply = httpx.post(f"{served.url}/v1/completions", timeout=120, json={
+            "prompt": "hello there", "max_tokens": 8, "temperature": 0}).json()
+    assert reply["choices"][0]["text"] == cli.stdout.removesuffix("\n")

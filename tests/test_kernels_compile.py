@@ -10,6 +10,7 @@ takes a minute), and each test reads its case's result.
 """
 
 import inspect
+import itertools
 import json
 import os
 import subprocess
@@ -105,14 +106,17 @@ def compile_gemv_and_silu_mul_kernels(dtype: str) -> None:
     from ops.linear import gemv, silu_mul
 
     pointers = {name: f"*{dtype}" for name in ("X", "R", "NW", "S", "W", "B", "Y", "GATE_UP", "OUT")}
-    # (gated, norm, residual): the gated gate/up projection with the norm in front at batch 1, the others
+    pointers["WS"] = "*fp32"
+    # (gated, norm, residual): the gated gate/up projection with the norm in front at batch 1, the others;
+    # each with a weight in the activations' dtype and an FP8 one (block scales of 128 x 128)
     variants = ((True, True, True), (True, False, False), (False, False, False), (False, True, True),
                 (False, True, False))
-    for gated, norm, residual in variants:
-        compile_for_hopper(gemv._gemv_kernel, pointers, dict(HAS_BIAS=not norm, GATED=gated, NORM=norm,
-                                                              HAS_RESIDUAL=residual, BLOCK_N=2 if gated else 4,
-                                                              BLOCK_K=1024,
-                                                              PDL=True),
+    for (gated, norm, residual), fp8 in itertools.product(variants, (False, True)):
+        scales = dict(SCALED=True, SCALE_N=128, SCALE_K=128) if fp8 else dict(SCALED=False, SCALE_N=1, SCALE_K=1)
+        compile_for_hopper(gemv._gemv_kernel, pointers | ({"W": "*fp8e4nv"} if fp8 else {}),
+                           dict(HAS_BIAS=not norm, GATED=gated, NORM=norm, HAS_RESIDUAL=residual,
+                                BLOCK_N=(8 if gated else 4) if fp8 else (2 if gated else 4),
+                                BLOCK_K=512 if fp8 else 1024, PDL=True, **scales),
                            floats=("eps",))
     compile_for_hopper(silu_mul._silu_mul_kernel, pointers, dict(BLOCK=1024))
 
@@ -120,13 +124,18 @@ def compile_gemv_and_silu_mul_kernels(dtype: str) -> None:
 def compile_skinny_gemm_kernels(dtype: str) -> None:
     from ops.linear import skinny_gemm
 
-    pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32"}
-    # as launched: 4 stages, 32 or 64 outputs a program (16 or 32 gated), partial sums or not
+    pointers = {name: f"*{dtype}" for name in ("X", "W", "B", "Y")} | {"PARTIAL": "*fp32", "WS": "*fp32",
+                                                                        "XS": "*fp32"}
+    # as launched: 4 stages, 32 or 64 outputs a program (16 or 32 gated), partial sums or not; weights
+    # in the activations' dtype, FP8 weights (weight-only), FP8 weights and activations (w8a8)
     for bias, gated, partial, block_m, block_n in ((True, False, False, 16, 64), (False, False, True, 64, 32),
                                                    (False, True, False, 64, 32), (True, True, True, 32, 16)):
-        compile_for_hopper(skinny_gemm._skinny_kernel, pointers,
-                           dict(HAS_BIAS=bias, GATED=gated, STORE_PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=block_n,
-                                BLOCK_K=128, IEEE=dtype == "fp32", PDL=True), num_stages=4)
+        for scaled, a8 in ((False, False), (True, False), (True, True)):
+            fp8 = {"W": "*fp8e4nv"} | ({"X": "*fp8e4nv"} if a8 else {})
+            compile_for_hopper(skinny_gemm._skinny_kernel, pointers | (fp8 if scaled else {}),
+                               dict(HAS_BIAS=bias, GATED=gated, STORE_PARTIAL=partial, SCALED=scaled, A8=a8,
+                                    SCALE_N=128 if scaled else 1, SCALE_K=128 if scaled else 1, BLOCK_M=block_m,
+                                    BLOCK_N=block_n, BLOCK_K=128, IEEE=dtype == "fp32", PDL=True), num_stages=4)
     for gated in (False, True):
         compile_for_hopper(skinny_gemm._sum_splits_kernel, pointers,
                            dict(HAS_BIAS=True, GATED=gated, SPLIT=4, BLOCK=1024, PDL=True))
@@ -137,18 +146,30 @@ def compile_fused_moe_kernels(dtype: str) -> None:
 
     pointers = {name: f"*{dtype}" for name in ("X", "W13", "H", "W2", "TOPK_WEIGHTS", "Y", "OUT")}
     pointers |= {name: "*i32" for name in ("ORDER", "TILE_EXPERT", "TILE_ROW0", "TILE_ROW_END")}
-    pointers["TOPK_IDS"] = "*i64"
-    blocks = dict(IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
-    compile_for_hopper(fused_moe._gate_up_kernel, pointers, dict(TOP_K=8, **blocks))
-    compile_for_hopper(fused_moe._down_kernel, pointers, blocks)
+    pointers |= {"TOPK_IDS": "*i64", "S13": "*fp32", "S2": "*fp32"}
+    for fp8 in (False, True):  # experts in the activations' dtype, FP8 experts (blocks of 128 x 128)
+        weights = pointers | ({"W13": "*fp8e4nv", "W2": "*fp8e4nv"} if fp8 else {})
+        scales = dict(SCALED=True, SCALE_N=128, SCALE_K=128) if fp8 else dict(SCALED=False, SCALE_N=1, SCALE_K=1)
+        blocks = dict(IEEE=dtype == "fp32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, **scales)
+        compile_for_hopper(fused_moe._gate_up_kernel, weights, dict(TOP_K=8, **blocks))
+        compile_for_hopper(fused_moe._down_kernel, weights, blocks)
+        compile_for_hopper(fused_moe._gate_up_pair_kernel, weights,
+                           dict(TOP_K=8, BLOCK_N=8, BLOCK_K=128 if fp8 else 512, PDL=True, **scales))
+        compile_for_hopper(fused_moe._down_combine_pair_kernel, weights,
+                           dict(TOP_K=8, K_POW2=8, BLOCK_N=8, BLOCK_K=128, PDL=True, **scales))
     compile_for_hopper(fused_moe._combine_kernel, pointers, dict(TOP_K=8, K_POW2=8, BLOCK_D=1024))
-    compile_for_hopper(fused_moe._gate_up_pair_kernel, pointers, dict(TOP_K=8, BLOCK_N=8, BLOCK_K=512, PDL=True))
-    compile_for_hopper(fused_moe._down_combine_pair_kernel, pointers,
-                       dict(TOP_K=8, K_POW2=8, BLOCK_N=8, BLOCK_K=128, PDL=True))
     from ops.moe import moe_route
 
     route = {"LOGITS": f"*{dtype}", "WEIGHTS": f"*{dtype}", "IDS": "*i64"}
     compile_for_hopper(moe_route._route_kernel, route, dict(TOP_K=8, K_POW2=8, BLOCK_E=128, NORM=True, PDL=True))
+
+
+def compile_fp8_kernels(dtype: str) -> None:
+    from ops.linear import fp8
+
+    pointers = {"Q": "*fp8e4nv", "S": "*fp32", "W": f"*{dtype}", "X": f"*{dtype}"}
+    compile_for_hopper(fp8._dequantize_kernel, pointers, dict(SCALE_N=128, SCALE_K=128, BLOCK_N=32, BLOCK_K=128))
+    compile_for_hopper(fp8._quantize_groups_kernel, pointers, dict(GROUP=128))
 
 
 def compile_sampling_kernels(dtype: str) -> None:
@@ -172,9 +193,10 @@ CASES = {
     "gemv_and_silu_mul_kernels": compile_gemv_and_silu_mul_kernels,
     "skinny_gemm_kernels": compile_skinny_gemm_kernels,
     "fused_moe_kernels": compile_fused_moe_kernels,
+    "fp8_kernels": compile_fp8_kernels,
     "sampling_kernels": compile_sampling_kernels,
 }
-HALVES = (("qk_norm_rope_kernel", "decode_attention_kernels", "sampling_kernels"),
+HALVES = (("qk_norm_rope_kernel", "decode_attention_kernels", "sampling_kernels", "fp8_kernels"),
           ("gemv_and_silu_mul_kernels", "skinny_gemm_kernels", "fused_moe_kernels"))
 
 

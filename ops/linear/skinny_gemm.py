@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..triton_helpers import dot, round_to, swiglu, use_pdl, wait_for_prior_kernels
+from .fp8 import check_fp8_weight, quantize_groups
 
 __all__ = ["faster_than_cublas", "skinny_linear"]
 
@@ -41,6 +42,12 @@ def faster_than_cublas(rows: int, weight: torch.Tensor) -> bool:
     return 1 < rows <= 64 and weight.numel() < 8 * 2**20 and weight.element_size() == 2
 
 
+def takes_fp8(rows: int) -> bool:
+    """Whether a product of `rows` rows by an FP8 weight takes this kernel (which reads the weight
+    as stored, one byte a weight) rather than dequantize-then-cuBLAS: 2-64 rows, any size."""
+    return 1 < rows <= 64
+
+
 @dataclass(frozen=True)
 class SkinnyLaunch:
     block_m: int
@@ -52,12 +59,13 @@ class SkinnyLaunch:
     stages: int
 
 
-def skinny_launch(M: int, N: int, K: int, gated: bool = False) -> SkinnyLaunch:
+def skinny_launch(M: int, N: int, K: int, gated: bool = False, scale_k: int = 2**30) -> SkinnyLaunch:
     """32 weight rows per program (64 for N >= 6144 rows), 128-wide tiles along K, pipelined 4
     deep; K split in powers of two while there are fewer than TARGET_PROGRAMS programs and each
-    part keeps at least 4 tiles (then trimmed so that no part starts past K). N counts W's rows."""
+    part keeps at least 4 tiles (then trimmed so that no part starts past K). N counts W's rows.
+    An FP8 weight's tiles lie within one block column (scale_k, its block's width)."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
-    block_n, block_k = (64 if N >= 6144 else 32), 128
+    block_n, block_k = (64 if N >= 6144 or scale_k < 2**30 else 32), min(128, scale_k)
     programs = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
     while programs * split * 2 <= TARGET_PROGRAMS and K // (split * 2) >= 4 * block_k:
@@ -68,12 +76,42 @@ def skinny_launch(M: int, N: int, K: int, gated: bool = False) -> SkinnyLaunch:
 
 
 @triton.jit
-def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                   STORE_PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _tile_product(x, w, WS, n, n_ok, XS, m, m_ok, k0, K, WS_COLS, XS_COLS, SCALED: tl.constexpr,
+                  A8: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, IEEE: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ w [BLOCK_N (rows n), BLOCK_K]^T in fp32, [BLOCK_M, BLOCK_N]. SCALED:
+    w is FP8, converted to x's dtype DTYPE (exact: every e4m3 value is a bf16 and an fp16 one),
+    and the product is returned transposed, [BLOCK_N, BLOCK_M], each row times its block scale in
+    the block column of k0: the weight, converted in registers, is then the tensor cores' first
+    operand, which they take from registers (the second must pass through shared memory).
+    A8: x is FP8 too, in groups of SCALE_K columns scaled by XS [M, XS_COLS]: an FP8 tensor-core
+    product of the two as stored, times both scales."""
+    if SCALED:  # (an if-else: Triton compiles the statements after a constexpr branch's return too)
+        # A tile past K (the last split's may be) has zero weights: any column's scale keeps it 0.
+        column = tl.minimum(k0 // SCALE_K, WS_COLS - 1)
+        s = tl.load(WS + (n // SCALE_N) * WS_COLS + column, mask=n_ok, other=0.0)
+        if A8:
+            xs = tl.load(XS + m * XS_COLS + column, mask=m_ok, other=0.0)
+            product = dot(w, tl.trans(x), False) * s[:, None] * xs[None, :]
+        else:
+            product = dot(w.to(DTYPE), tl.trans(x), IEEE) * s[:, None]
+    else:
+        product = dot(x, tl.trans(w), IEEE)
+    return product
+
+
+@triton.jit
+def _skinny_kernel(X, XS, W, WS, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, WS_COLS, XS_COLS, HAS_BIAS: tl.constexpr,
+                   GATED: tl.constexpr, STORE_PARTIAL: tl.constexpr, SCALED: tl.constexpr, A8: tl.constexpr,
+                   SCALE_N: tl.constexpr,
+                   SCALE_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr, PDL: tl.constexpr):
     """Rows m, outputs n, the K_PER_SPLIT columns of program_id(2): y stored, bias added to the
     fp32 sum; or with STORE_PARTIAL the fp32 sum stored to PARTIAL [SPLIT, M, N] (GATED: the
-    gate's and the up projection's, [SPLIT, M, 2N]). GATED: W and B hold [gate; up], 2N rows."""
+    gate's and the up projection's, [SPLIT, M, 2N]). GATED: W and B hold [gate; up], 2N rows.
+    SCALED: W is FP8 with block scales WS [rows / SCALE_N, WS_COLS]; a tile's product (BLOCK_K
+    within one block column) is multiplied by its rows' scales in fp32. A8: X is FP8 too, with
+    scales XS [M, XS_COLS] per SCALE_K columns (quantize_groups)."""
     wait_for_prior_kernels(PDL)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,19 +119,27 @@ def _skinny_kernel(X, W, B, Y, PARTIAL, M, N, K, K_PER_SPLIT, HAS_BIAS: tl.const
     x_row = m[:, None].to(tl.int64) * K
     w_row = n[:, None].to(tl.int64) * K
     k_start = tl.program_id(2) * K_PER_SPLIT
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # SCALED: the sums accumulate transposed, [BLOCK_N, BLOCK_M] (_tile_product), and turn at the end.
+    shape: tl.constexpr = [BLOCK_N, BLOCK_M] if SCALED else [BLOCK_M, BLOCK_N]
+    acc = tl.zeros(shape, tl.float32)
     if GATED:  # the up rows n + N beside the gate rows n
         up_row = (n + N)[:, None].to(tl.int64) * K
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros(shape, tl.float32)
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(X + x_row + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += dot(x, tl.trans(w), IEEE)
+        acc += _tile_product(x, w, WS, n, n_ok, XS, m, m_ok, k0, K, WS_COLS, XS_COLS, SCALED, A8, SCALE_N,
+                             SCALE_K, IEEE, X.dtype.element_ty)
         if GATED:
             w_up = tl.load(W + up_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_up += dot(x, tl.trans(w_up), IEEE)
+            acc_up += _tile_product(x, w_up, WS, n + N, n_ok, XS, m, m_ok, k0, K, WS_COLS, XS_COLS, SCALED, A8,
+                                    SCALE_N, SCALE_K, IEEE, X.dtype.element_ty)
+    if SCALED:
+        acc = tl.trans(acc)
+        if GATED:
+            acc_up = tl.trans(acc_up)
     mask = m_ok[:, None] & n_ok[None, :]
     if not STORE_PARTIAL:
         if HAS_BIAS:
@@ -142,21 +188,29 @@ SUM_BLOCK = 1024
 
 
 @torch.library.custom_op("qwen3_ops::skinny_linear", mutates_args=())
-def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+               scale: torch.Tensor | None, block: list[int], fp8_activations: bool) -> torch.Tensor:
     rows, K = weight.shape
     N = rows // 2 if gated else rows  # outputs
     y = x.new_empty(*x.shape[:-1], N)
     M = y.numel() // N if N else 0
     if M == 0:
         return y
-    launch = skinny_launch(M, rows, K, gated)
+    scaled = scale is not None
+    x_scale = x  # A8: the activations' scales
+    if fp8_activations:
+        x, x_scale = quantize_groups(x.reshape(M, K), block[1])
+    launch = skinny_launch(M, rows, K, gated, block[1] if scaled else 2**30)
     partial = x.new_empty(launch.split * M * rows if launch.split > 1 else 0, dtype=torch.float32)
     pdl = use_pdl(x.device)
     grid = (triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m), launch.split)
     _skinny_kernel[grid](
-        x, weight, bias, y, partial, M, N, K, launch.k_per_split, HAS_BIAS=bias is not None, GATED=gated,
-        STORE_PARTIAL=launch.split > 1, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        IEEE=x.dtype == torch.float32, PDL=pdl, num_warps=launch.warps, num_stages=launch.stages, launch_pdl=pdl)
+        x, x_scale, weight, scale if scaled else x, bias, y, partial, M, N, K, launch.k_per_split,
+        scale.shape[1] if scaled else 1, x_scale.shape[-1], HAS_BIAS=bias is not None, GATED=gated,
+        STORE_PARTIAL=launch.split > 1, SCALED=scaled, A8=fp8_activations,
+        SCALE_N=block[0] if scaled else 1, SCALE_K=block[1] if scaled else 1,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        IEEE=y.dtype == torch.float32, PDL=pdl, num_warps=launch.warps, num_stages=launch.stages, launch_pdl=pdl)
     if launch.split > 1:
         _sum_splits_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
             partial, bias, y, M, N, HAS_BIAS=bias is not None, GATED=gated, SPLIT=launch.split, BLOCK=SUM_BLOCK,
@@ -165,19 +219,27 @@ def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 @_skinny_op.register_fake
-def _(x, weight, bias, gated):
+def _(x, weight, bias, gated, scale, block, fp8_activations):
     return x.new_empty(*x.shape[:-1], weight.shape[0] // 2 if gated else weight.shape[0])
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  gated: bool = False) -> torch.Tensor:
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+                  scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  fp8_activations: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K]: any number of rows, fast for a few. With gated,
     weight (and bias) hold [gate; up] rows and the result is silu(gate) * up of that product
-    ([..., N / 2]). Inference only."""
+    ([..., N / 2]). An FP8 weight comes with its block scales `scale` and `block`
+    (ops/linear/fp8.py's rules); with fp8_activations, x is quantized too, per block[1] columns of
+    each row (ops/linear/fp8.py's quantize_groups), and the products run on FP8 tensor cores
+    (w8a8, as transformers' and vLLM's FP8 linear layers compute). Inference only."""
     if (weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or not weight.shape[1]
             or (gated and weight.shape[0] % 2)):
         raise ValueError(f"skinny_linear takes x [..., K] and weight [N, K] with K >= 1"
                          f"{' and N even (gated)' if gated else ''}, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or (bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype)):
-        raise ValueError("x, weight and bias must share a dtype, and bias must be [N]")
-    return _skinny_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), gated)
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype):
+        raise ValueError("bias must be [N] in x's dtype")
+    block = check_fp8_weight(weight, scale, block, x.dtype, gated)
+    if fp8_activations and block is None:
+        raise ValueError("fp8_activations takes an FP8 weight")
+    return _skinny_op(x.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), gated,
+                      None if scale is None else scale.contiguous(), list(block) if block else [], fp8_activations)
