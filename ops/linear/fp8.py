@@ -109,8 +109,10 @@ def _quantize_groups_kernel(X, Q, S, K, S_COLS, GROUP: tl.constexpr):
     ok = k < K
     x = tl.load(X + row * K + k, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    s = tl.where(amax > 0, amax / 448.0, 1.0)
-    tl.store(Q + row * K + k, to_e4m3(x / s, Q.dtype.element_ty), mask=ok)
+    # Rounded divisions (div_rn): Triton's `/` on fp32 is the GPU's approximate one, whose last bit
+    # differs from torch's quotient (qwen3/fp8.py's quantize, the reference).
+    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    tl.store(Q + row * K + k, to_e4m3(tl.math.div_rn(x, s), Q.dtype.element_ty), mask=ok)
     tl.store(S + row * S_COLS + tl.program_id(1), s)
 
 
