@@ -11,9 +11,10 @@ The format: config.json's `quantization_config` is {"quant_method": "fp8", "fmt"
 ceil(in / 128)], the multiplier that dequantizes each block (w = q * scale_inv, in fp32).
 Embeddings, norms, the LM head and the MoE router stay in bf16.
 
-Here an FP8 checkpoint is dequantized as it loads (qwen3/loader.py): each weight becomes the
-model's dtype, exactly the fp32 product rounded once. That is the reference path on every
-device; it costs the bf16 model's memory (twice the FP8 weights').
+Where the fused kernels run, the model holds these weights as stored (qwen3/quantized.py) and
+the kernels read them (ops/linear/fp8.py). Elsewhere an FP8 checkpoint is dequantized as it loads
+(qwen3/loader.py): each weight becomes the model's dtype, exactly the fp32 product rounded once,
+at the bf16 model's memory (twice the FP8 weights').
 """
 
 import torch

@@ -14,7 +14,7 @@ from torch import nn
 
 from ops import fused_add_rms_norm, rms_norm
 from ops.linear import skinny_gemm
-from ops.linear.fp8 import dequantize_fp8
+from ops.linear.fp8 import FP8, dequantize_fp8
 from ops.linear.gemv import gemv, gemv_rms_norm
 from ops.linear.silu_mul import silu_mul
 
@@ -56,10 +56,17 @@ class FusedLinear(nn.Linear):
         return {name: param[start:end] for name, start, end in zip(self.parts, starts, starts[1:])}
 
 
-def fp8_scales(layer: nn.Module) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+def fp8_scales(layer: nn.Module, weight: str = "weight") -> tuple[torch.Tensor | None, tuple[int, int] | None]:
     """(weight_scale_inv, block) of a projection whose weight is held in FP8 (qwen3/quantized.py),
-    (None, None) for one in the activations' dtype."""
-    return getattr(layer, "weight_scale_inv", None), getattr(layer, "weight_block", None)
+    (None, None) for one in the activations' dtype. ValueError for FP8 weights that a cast
+    (model.to(dtype), .half(), .float()) turned into numbers of another dtype: torch counts
+    float8 as a floating-point dtype, and would cast the stored values without their scales."""
+    block = getattr(layer, "weight_block", None)
+    if block is not None and getattr(layer, weight).dtype != FP8:
+        raise ValueError(f"this model's FP8 weights were cast to {getattr(layer, weight).dtype} (model.to(dtype), "
+                         ".half() or .float()), which drops their scales; load it in the dtype you want instead "
+                         "(from_pretrained(..., dtype=...))")
+    return getattr(layer, "weight_scale_inv" if weight == "weight" else f"{weight}_scale_inv", None), block
 
 
 def dequantized(layer: nn.Linear, dtype: torch.dtype, fused: bool) -> torch.Tensor:

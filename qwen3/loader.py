@@ -191,6 +191,10 @@ def load_model(
     fused = ops.resolve_kernels(config.kernels, device) == "fused"
     check_quantization(quantization)
     tp = None
+    if tensor_parallel and quantization is not None:
+        raise ValueError(f"quantization={quantization!r} with tensor_parallel=True is not supported: each rank would "
+                         "quantize its own slices, whose blocks are not the checkpoint's; quantize with "
+                         "scripts/quantize_fp8.py and load that checkpoint")
     if tensor_parallel:  # refuses a missing process group and a model that does not split
         device = resolve_parallel_device(device)
         tp = TensorParallel.from_default_group(config, device)
@@ -213,6 +217,8 @@ def load_model(
     copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0), block)
     if quantization == "fp8" and block is None:
         quantize_weights(model, BLOCK, hold=keep_fp8)
+        if device.type == "cuda":  # the bf16 weights' memory back to the device, for the KV cache to count
+            torch.cuda.empty_cache()
     model.generation_config = generation_config
     if tp is not None:
         model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd

@@ -131,7 +131,8 @@ class Qwen3ForCausalLM(nn.Module):
             low, high = torch.stack(torch.aminmax(positions)).tolist()
             if low < 0 or high >= limit:
                 raise ValueError(f"positions must be in [0, max_position_embeddings={limit}), got {low} to {high}")
-        logits = self(input_ids.reshape(-1), positions.reshape(-1), metadata.plain(B, T, device))
+        # contiguous: T = 1 default positions reshape to a view of stride 0, which kernels cannot index
+        logits = self(input_ids.reshape(-1), positions.reshape(-1).contiguous(), metadata.plain(B, T, device))
         return logits.view(B, T, -1)
 
     @property
@@ -206,7 +207,9 @@ class Qwen3ForCausalLM(nn.Module):
         """
         from .hub import resolve_checkpoint
         from .loader import load_model
+        from .quantized import check_quantization
 
+        check_quantization(quantization)  # before a repo id downloads
         return load_model(cls, resolve_checkpoint(path, revision), dtype=dtype, device=device, norm_impl=norm_impl,
                           progress=progress, tensor_parallel=tensor_parallel, kernels=kernels,
                           quantization=quantization)
@@ -248,7 +251,8 @@ class Qwen3ForCausalLM(nn.Module):
 
         input_ids [B, T]: prompts, padded on the left or the right when their lengths differ,
             with attention_mask [B, T] (1 = token, 0 = padding). Each row generates what it would
-            alone.
+            alone (not with FP8 weights held on the fused path: a batch of 2-64 rows rounds its
+            activations to FP8, a row alone does not; qwen3/quantized.py).
         temperature (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off),
         repetition_penalty (1 = off), presence_penalty (0 = off): sampling, applied in
             transformers' order; unset ones come from the checkpoint's generation_config.json,

@@ -23,6 +23,7 @@ from ops.moe.moe_route import moe_route
 
 from .config import Qwen3Config
 from .fp8 import dequantize
+from .layers import fp8_scales
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's tensors of one expert
 
@@ -67,8 +68,9 @@ class Experts(nn.Module):
 
     def fp8_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int] | None]:
         """(gate_up scales, down scales, block) of experts held in FP8; (None, None, None) otherwise."""
-        return (getattr(self, "gate_up_proj_scale_inv", None), getattr(self, "down_proj_scale_inv", None),
-                getattr(self, "weight_block", None))
+        s13, block = fp8_scales(self, "gate_up_proj")
+        s2, _ = fp8_scales(self, "down_proj")
+        return s13, s2, block
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up_proj, down_proj) in dtype, the activations': FP8 ones dequantized (torch ops)."""
@@ -82,12 +84,13 @@ class Experts(nn.Module):
 def stack_experts(module: Experts, state_dict: dict, prefix: str, *args) -> None:
     """A load_state_dict pre-hook: per-expert tensors (a checkpoint's layout) stacked into
     gate_up_proj and down_proj, so that a hub-layout state dict loads too."""
-    keys = {p: [f"{prefix}{e}.{p}.weight" for e in range(module.num_experts)] for p in PROJECTIONS}
-    if all(key in state_dict for p in PROJECTIONS for key in keys[p]):
-        gate = [state_dict.pop(key) for key in keys["gate_proj"]]
-        up = [state_dict.pop(key) for key in keys["up_proj"]]
-        state_dict[f"{prefix}gate_up_proj"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
-        state_dict[f"{prefix}down_proj"] = torch.stack([state_dict.pop(key) for key in keys["down_proj"]])
+    for kind, suffix in (("weight", ""), ("weight_scale_inv", "_scale_inv")):  # an FP8 checkpoint's scales too
+        keys = {p: [f"{prefix}{e}.{p}.{kind}" for e in range(module.num_experts)] for p in PROJECTIONS}
+        if all(key in state_dict for p in PROJECTIONS for key in keys[p]):
+            gate = [state_dict.pop(key) for key in keys["gate_proj"]]
+            up = [state_dict.pop(key) for key in keys["up_proj"]]
+            state_dict[f"{prefix}gate_up_proj{suffix}"] = torch.stack([torch.cat(pair) for pair in zip(gate, up)])
+            state_dict[f"{prefix}down_proj{suffix}"] = torch.stack([state_dict.pop(key) for key in keys["down_proj"]])
 
 
 class SparseMoeBlock(nn.Module):

@@ -3,7 +3,8 @@
 Prompts of different lengths come padded (left or right) with an attention mask (1 = token,
 0 = padding). The prefill packs each row's real tokens back to back (the padding is never
 computed), each row's positions count its own tokens only, and its cache row (one block table
-per row, its blocks in order) holds only them, so a row generates what it would alone.
+per row, its blocks in order) holds only them, so a row generates what it would alone (but with
+FP8 weights: a batch of 2-64 rows rounds its activations to FP8, qwen3/layers.py's linear).
 
 On CUDA the decode step is captured once in a CUDA graph (runtime/graphs.py) and replayed for
 every later token:

@@ -92,6 +92,11 @@ def test_qk_norm_rope_without_a_cache_and_bad_shapes():
     positions = torch.zeros(3, dtype=torch.long, device=DEVICE)
     q, k = qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H, K)
     assert q.shape == (3, H, hd) and k.shape == (3, K, hd)
+    # positions of stride 0 (one position expanded over the tokens) read as the tokens' own
+    cos, sin = torch.rand(8, hd // 2, device=DEVICE), torch.rand(8, hd // 2, device=DEVICE)
+    expanded = torch.tensor([5], device=DEVICE).expand(3)
+    assert torch.equal(qk_norm_rope(qkv, w, w, cos, sin, expanded, 1e-6, H, K)[0],
+                       qk_norm_rope(qkv, w, w, cos, sin, expanded.clone(), 1e-6, H, K)[0])
     with pytest.raises(ValueError, match="qkv must be"):
         qk_norm_rope(qkv, w, w, cos, sin, positions, 1e-6, H + 1, K)
     with pytest.raises(ValueError, match="positions must be"):

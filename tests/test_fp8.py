@@ -165,6 +165,29 @@ def test_the_fused_path_holds_fp8_weights_and_computes_the_dequantized_model(tmp
     assert torch.equal(ours.generate(prompt.to(DEVICE), 6, temperature=0).cpu(), theirs)
 
 
+def test_what_fp8_weights_cannot_do_is_one_clear_error(tmp_path):
+    """A cast of a model holding FP8 weights (torch would cast the stored values without their
+    scales) fails at the next forward, naming the cast; quantizing under tensor parallelism (each
+    rank would quantize its own slices) is refused before anything loads. The per-expert layout of
+    an FP8 MoE checkpoint, scales included, loads through load_state_dict as through the loader."""
+    path = fp8_checkpoint(hf_moe_model(seed=9), tmp_path)
+    held = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, **FUSED)
+    fresh = Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, **FUSED)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    from safetensors.torch import load_file
+
+    fresh.load_state_dict(load_file(path / "model.safetensors"))
+    for (name, a), b in zip(held.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a.float(), b.float()), name
+    ids = torch.tensor([[3, 17]], device=DEVICE)
+    with pytest.raises(ValueError, match="FP8 weights were cast to torch.float16"), torch.no_grad():
+        held.half()(ids)
+    with pytest.raises(ValueError, match="quantization='fp8' with tensor_parallel=True is not supported"):
+        Qwen3ForCausalLM.from_pretrained(path, progress=False, quantization="fp8", tensor_parallel=True)
+
+
 def test_quantizing_on_load_is_the_quantizer_script(tmp_path):
     """from_pretrained(quantization="fp8") of a floating-point checkpoint is scripts/quantize_fp8.py's
     checkpoint (blocks of 128) loaded: on the fused path the same FP8 weights and scales, exactly;

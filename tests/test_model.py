@@ -171,6 +171,20 @@ def test_logits_match_transformers(tmp_path, case, path, sharded):
     torch.testing.assert_close(actual, expected, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
 
 
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_a_batch_of_single_tokens_matches_transformers(tmp_path, path):
+    """The plain call with B rows of one token each: its default positions are a stride-0 view
+    ([0] expanded to B rows), which the kernels must not index past."""
+    reference = hf_model(seed=4)
+    save(reference, tmp_path)
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE, **PATHS[path],
+                                             progress=False)
+    ids = input_ids(reference.config.vocab_size, B=3, T=1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), reference.to(DEVICE)(ids).logits, rtol=LOGITS_FP32_RTOL,
+                                   atol=LOGITS_FP32_ATOL)
+
+
 def test_bf16_logits_close_to_transformers_bf16(tmp_path):
     """Both in bf16: same casts, different matmul/attention kernels (SDPA vs eager)."""
     reference = hf_model(seed=5, dtype=torch.bfloat16)

@@ -153,5 +153,8 @@ def qk_norm_rope(
     cache when one is given. Inference only (no backward): the model's unfused path, which
     runs transformers' operations one by one, is the reference and the training path."""
     _check(qkv, q_weight, k_weight, cos, sin, positions, n_heads, n_kv_heads, k_cache, v_cache, slots)
+    # contiguous: the kernel reads positions[i] at position i (an expanded tensor has stride 0)
+    positions = positions.contiguous()
     return _qk_norm_rope_op(qkv.contiguous(), q_weight.contiguous(), k_weight.contiguous(), cos, sin,
-                            positions, float(eps), n_heads, n_kv_heads, k_cache, v_cache, slots)
+                            positions, float(eps), n_heads, n_kv_heads, k_cache, v_cache,
+                            None if slots is None else slots.contiguous())
