@@ -78,14 +78,15 @@ def dequantized(layer: nn.Linear, dtype: torch.dtype, fused: bool) -> torch.Tens
     return dequantize_fp8(layer.weight, scale, block, dtype) if fused else dequantize(layer.weight, scale, block, dtype)
 
 
-
 def linear(layer: nn.Linear, x: torch.Tensor, fused: bool, gated: bool = False) -> torch.Tensor:
     """layer(x); with gated (layer an MLP's [gate; up] projection), SwiGLU's silu(gate) * up of it.
     On the fused path a single row (a batch-1 decode step) takes the GEMV kernel, and a few rows
     (a batched decode step) the skinny GEMM where it is faster: both stream the weights faster
     than cuBLAS's kernels for those shapes and apply the gate as they round their sums
-    (ops/linear/gemv.py, ops/linear/skinny_gemm.py). An FP8 weight: those kernels read it as
-    stored at up to 64 rows; more rows (a prefill) dequantize it for cuBLAS's matmul."""
+    (ops/linear/gemv.py, ops/linear/skinny_gemm.py). An FP8 weight (qwen3/quantized.py): one row,
+    the GEMV reads it as stored (bf16 activations); 2-64 rows, the skinny GEMM with the rows
+    quantized to FP8 too (w8a8, FP8 tensor cores); more rows (a prefill) dequantize it for
+    cuBLAS's matmul."""
     rows = x.numel() // x.shape[-1] if fused else 0
     scale, block = fp8_scales(layer)
     if rows == 1:

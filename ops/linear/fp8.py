@@ -6,8 +6,10 @@
     w = dequantize_fp8(weight, scale, block, torch.bfloat16)   # the fp32 product, rounded once
     q, s = quantize_groups(x, 128)                             # activations: FP8 per 128 columns of a row
 
-The decode kernels (ops/linear/gemv.py, skinny_gemm.py, ops/moe/fused_moe.py) read such a weight
-as it is stored and dequantize in registers. Their tiles must each lie within one block, so they
+The decode kernels read such a weight as it is stored: the GEMV (ops/linear/gemv.py) and the
+fused MoE (ops/moe/fused_moe.py) dequantize it in registers; the skinny GEMM of 2-64 rows
+(ops/linear/skinny_gemm.py) quantizes the rows too (quantize_groups) and multiplies FP8 by FP8 on
+the tensor cores, scaling each block's sum. Their tiles must each lie within one block, so they
 take blocks whose sides are powers of two from 16 (Qwen's are 128 x 128); a gated weight
 ([gate; up] rows) must start its up rows on a block boundary. A prefill step of many rows
 dequantizes each weight to the activations' dtype just before its matmul (dequantize_fp8).
@@ -20,8 +22,6 @@ import triton.language as tl
 from ..triton_helpers import round_to, to_e4m3
 
 __all__ = ["check_fp8_weight", "dequantize_fp8", "kernel_block", "quantize_groups"]
-
-E4M3_MAX = 448.0  # the largest float8_e4m3fn
 
 FP8 = torch.float8_e4m3fn
 
@@ -102,8 +102,8 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 @triton.jit
 def _quantize_groups_kernel(X, Q, S, K, S_COLS, GROUP: tl.constexpr):
-    """Row program_id(0), group program_id(1): S = amax / E4M3_MAX (1 for an all-zero group),
-    Q = X / S rounded to float8_e4m3fn."""
+    """Row program_id(0), group program_id(1): S = amax / 448, the largest float8_e4m3fn (1 for an
+    all-zero group), Q = X / S rounded to float8_e4m3fn."""
     row = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     ok = k < K
@@ -118,7 +118,7 @@ def _quantize_groups_kernel(X, Q, S, K, S_COLS, GROUP: tl.constexpr):
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) of activations x [M, K]: each row's groups of `group` columns scaled so that the
-    largest magnitude is E4M3_MAX (scale = amax / 448, an all-zero group 1) and rounded to
+    largest magnitude is 448, the largest float8_e4m3fn (scale = amax / 448, an all-zero group 1) and rounded to
     float8_e4m3fn, as qwen3/fp8.py's quantize does a weight in blocks of (1, group)."""
     M, K = x.shape
     q = torch.empty(M, K, dtype=FP8, device=x.device)
