@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 import ops
+from ops.linear.fp8 import FP8
 from runtime.sampling import sampling_params
 
 from .config import Qwen3Config
@@ -202,10 +203,10 @@ def load_model(
     block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
     keep_fp8 = fused and tp is None and runs_fp8(device)
     stored_fp8 = fp8_weight_keys(path) if block is not None and keep_fp8 else set()
-    held: set[str] = set()  # checkpoint keys of the weights held in FP8; every other FP8 one is dequantized
     model = empty_model(model_class, config, dtype, device, tp,
-                        hold=lambda m: held.update(hold_fp8(m, block, stored_fp8)) if stored_fp8 else None)
+                        hold=(lambda m: hold_fp8(m, block, stored_fp8)) if stored_fp8 else None)
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
+    held = {key for key, param in params.items() if param.dtype == FP8}  # every other FP8 weight is dequantized
     if tp is None:
         shapes = {key: tuple(param.shape) for key, param in params.items()}
     else:  # the checkpoint holds the whole model: check against its shapes (a model on meta, no memory)

@@ -88,12 +88,10 @@ def _projections(module: nn.Module) -> list[str]:
     return ["gate_up_proj", "down_proj"] if isinstance(module, Experts) else ["weight"]
 
 
-def hold_fp8(model: nn.Module, block: tuple[int, int], stored_fp8: set[str]) -> set[str]:
+def hold_fp8(model: nn.Module, block: tuple[int, int], stored_fp8: set[str]) -> None:
     """Give every candidate module whose checkpoint weights are all stored in FP8 (`stored_fp8`:
     their keys) and that `fits` the block FP8 weights and empty scales, in place (the meta device
-    too: nothing is allocated twice). Returns the checkpoint keys of the weights now held in FP8;
-    the loader dequantizes the others."""
-    held = set()
+    too: nothing is allocated twice). The loader dequantizes the checkpoint's other FP8 weights."""
     for name, module in fp8_candidates(model).items():
         keys = checkpoint_weight_keys(name, module)
         if not (fits(module, block) and all(key in stored_fp8 for key in keys)):
@@ -103,8 +101,6 @@ def hold_fp8(model: nn.Module, block: tuple[int, int], stored_fp8: set[str]) -> 
             grid = weight.shape[:-2] + scale_shape(tuple(weight.shape[-2:]), block)
             _hold(module, projection, torch.empty(weight.shape, dtype=FP8, device=weight.device),
                   torch.empty(grid, dtype=torch.float32, device=weight.device), block)
-        held.update(keys)
-    return held
 
 
 def _checkpoint_parts(module: nn.Module, projection: str, weight: torch.Tensor) -> list[torch.Tensor]:

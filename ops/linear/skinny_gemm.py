@@ -59,13 +59,15 @@ class SkinnyLaunch:
     stages: int
 
 
-def skinny_launch(M: int, N: int, K: int, gated: bool = False, scale_k: int = 2**30) -> SkinnyLaunch:
+def skinny_launch(M: int, N: int, K: int, gated: bool = False, scale_k: int | None = None) -> SkinnyLaunch:
     """32 weight rows per program (64 for N >= 6144 rows), 128-wide tiles along K, pipelined 4
     deep; K split in powers of two while there are fewer than TARGET_PROGRAMS programs and each
     part keeps at least 4 tiles (then trimmed so that no part starts past K). N counts W's rows.
-    An FP8 weight's tiles lie within one block column (scale_k, its block's width)."""
+    An FP8 weight (scale_k: its block's width) takes 64 rows at any size, and tiles within one
+    block column."""
     block_m = min(64, max(16, triton.next_power_of_2(M)))
-    block_n, block_k = (64 if N >= 6144 or scale_k < 2**30 else 32), min(128, scale_k)
+    block_n = 64 if N >= 6144 or scale_k is not None else 32
+    block_k = 128 if scale_k is None else min(128, scale_k)
     programs = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = 1
     while programs * split * 2 <= TARGET_PROGRAMS and K // (split * 2) >= 4 * block_k:
@@ -81,9 +83,8 @@ def _tile_product(x, w, WS, n, n_ok, XS, m, m_ok, k0, K, WS_COLS, XS_COLS, SCALE
                   DTYPE: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] @ w [BLOCK_N (rows n), BLOCK_K]^T in fp32, [BLOCK_M, BLOCK_N]. SCALED:
     w is FP8, converted to x's dtype DTYPE (exact: every e4m3 value is a bf16 and an fp16 one),
-    and the product is returned transposed, [BLOCK_N, BLOCK_M], each row times its block scale in
-    the block column of k0: the weight, converted in registers, is then the tensor cores' first
-    operand, which they take from registers (the second must pass through shared memory).
+    and the product is returned transposed, [BLOCK_N, BLOCK_M] (the weight the dot's first
+    operand), each row times its block scale in the block column of k0.
     A8: x is FP8 too, in groups of SCALE_K columns scaled by XS [M, XS_COLS]: an FP8 tensor-core
     product of the two as stored, times both scales."""
     if SCALED:  # (an if-else: Triton compiles the statements after a constexpr branch's return too)
@@ -200,7 +201,7 @@ def _skinny_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x_scale = x  # A8: the activations' scales
     if fp8_activations:
         x, x_scale = quantize_groups(x.reshape(M, K), block[1])
-    launch = skinny_launch(M, rows, K, gated, block[1] if scaled else 2**30)
+    launch = skinny_launch(M, rows, K, gated, block[1] if scaled else None)
     partial = x.new_empty(launch.split * M * rows if launch.split > 1 else 0, dtype=torch.float32)
     pdl = use_pdl(x.device)
     grid = (triton.cdiv(N, launch.block_n), triton.cdiv(M, launch.block_m), launch.split)
