@@ -179,10 +179,7 @@ def load_model(
     Raises FileNotFoundError for missing files and ValueError for anything it cannot load,
     naming the file and the key.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} " + ("is a file, not a directory" if path.exists()
-                                                                else "does not exist"))
+    path = model_directory(path)
     device = resolve_device(device)
     overrides = {key: value for key, value in (("norm_impl", norm_impl), ("kernels", kernels)) if value}
     config = Qwen3Config.from_json(path, **overrides)
@@ -191,29 +188,14 @@ def load_model(
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
     fused = ops.resolve_kernels(config.kernels, device) == "fused"
     check_quantization(quantization)
-    tp = None
-    if tensor_parallel and quantization is not None:
-        raise ValueError(f"quantization={quantization!r} with tensor_parallel=True is not supported: each rank would "
-                         "quantize its own slices, whose blocks are not the checkpoint's; quantize with "
-                         "scripts/quantize_fp8.py and load that checkpoint")
-    if tensor_parallel:  # refuses a missing process group and a model that does not split
-        device = resolve_parallel_device(device)
-        tp = TensorParallel.from_default_group(config, device)
+    device, tp = tensor_parallel_part(config, device, quantization) if tensor_parallel else (device, None)
 
     block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
     keep_fp8 = fused and tp is None and runs_fp8(device)
-    stored_fp8 = fp8_weight_keys(path) if block is not None and keep_fp8 else set()
-    model = empty_model(model_class, config, dtype, device, tp,
-                        hold=(lambda m: hold_fp8(m, block, stored_fp8)) if stored_fp8 else None)
+    model = empty_model(model_class, config, dtype, device, tp, hold=fp8_hold(path, block, keep_fp8))
     params = model.checkpoint_tensors()  # HF key -> parameter or rows of a fused one; tied weights once
     held = {key for key, param in params.items() if param.dtype == FP8}  # every other FP8 weight is dequantized
-    if tp is None:
-        shapes = {key: tuple(param.shape) for key, param in params.items()}
-    else:  # the checkpoint holds the whole model: check against its shapes (a model on meta, no memory)
-        with torch.device("meta"):
-            whole = model_class(config)
-        shapes = {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
-
+    shapes = checkpoint_shapes(model_class, config, params, tp)
     plan = copy_plan(path, config, shapes, tp, block, held)  # every key, shape and dtype checked before any copy
     copy_weights(path, plan, params, progress and (tp is None or tp.rank == 0), block)
     if quantization == "fp8" and block is None:
@@ -225,6 +207,48 @@ def load_model(
         model.requires_grad_(False)  # tensor-parallel models are for inference: collectives have no autograd
         tp.use_symmetric_memory(dtype)
     return model.eval()
+
+
+def model_directory(path: str | Path) -> Path:
+    """Path(path), refused with a FileNotFoundError unless it is a directory: a checkpoint is one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} " + ("is a file, not a directory" if path.exists()
+                                                                else "does not exist"))
+    return path
+
+
+def tensor_parallel_part(config: Qwen3Config, device: torch.device,
+                         quantization: str | None) -> tuple[torch.device, TensorParallel]:
+    """This rank's device and its TensorParallel (which part of the model it holds), over the default
+    process group. Refuses quantization on load (each rank would quantize its own slices, whose
+    blocks are not the checkpoint's), a missing process group and a model that does not split."""
+    if quantization is not None:
+        raise ValueError(f"quantization={quantization!r} with tensor_parallel=True is not supported: each rank would "
+                         "quantize its own slices, whose blocks are not the checkpoint's; quantize with "
+                         "scripts/quantize_fp8.py and load that checkpoint")
+    device = resolve_parallel_device(device)
+    return device, TensorParallel.from_default_group(config, device)
+
+
+def fp8_hold(path: Path, block: tuple[int, int] | None, keep_fp8: bool):
+    """empty_model's `hold` for an FP8 checkpoint (block: its block size; None: not FP8) when the
+    fused kernels read FP8 weights here (keep_fp8): the modules whose weights it stores in float8
+    are given FP8 weights and scales (qwen3/quantized.py), copied as stored. None otherwise: the
+    loader dequantizes each FP8 weight to the model's dtype as it loads."""
+    stored_fp8 = fp8_weight_keys(path) if block is not None and keep_fp8 else set()
+    return (lambda model: hold_fp8(model, block, stored_fp8)) if stored_fp8 else None
+
+
+def checkpoint_shapes(model_class: type, config: Qwen3Config, params: dict[str, torch.Tensor],
+                      tp: TensorParallel | None) -> dict[str, tuple]:
+    """{key: shape} the checkpoint must have: the parameters' own, or with tensor parallelism the
+    whole model's, since the checkpoint holds the whole model (from a model on the meta device: no memory)."""
+    if tp is None:
+        return {key: tuple(param.shape) for key, param in params.items()}
+    with torch.device("meta"):
+        whole = model_class(config)
+    return {key: tuple(t.shape) for key, t in whole.checkpoint_tensors().items()}
 
 
 def runs_fp8(device: torch.device) -> bool:
@@ -251,15 +275,7 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
     checkpoint's weight block size (None: not FP8); held: its weights the model holds in FP8
     (their scales are then parameters of their own). ValueError naming the file and the key otherwise."""
     shards = checkpoint_files(path)
-    scales: dict[str, tuple[str, tuple, str]] = {}  # FP8: weight key -> (shard, shape, dtype) of its scale
-    if block is not None:
-        for shard in shards:
-            with _open(path / shard) as f:
-                for key in f.keys():
-                    if key.endswith(SCALE_KEY):
-                        stored = f.get_slice(key)
-                        scales[key.removesuffix(SCALE_KEY) + "weight"] = (shard, tuple(stored.get_shape()),
-                                                                          stored.get_dtype())
+    scales = checkpoint_scales(path, shards) if block is not None else {}
     plan: list[tuple[str, list[tuple]]] = []  # (shard, [(key, index, scale)])
     seen: set[str] = set()
     for shard, listed in shards.items():
@@ -270,32 +286,9 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
                 raise ValueError(f"{INDEX_FILE} maps {missing} to {shard}, which does not contain it")
             to_copy = []
             for key in keys:
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue  # a derived buffer some exporters save; we compute it
-                if block is not None and key.endswith(SCALE_KEY) and key not in shapes:
-                    continue  # read with its weight, to dequantize it
-                if key == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # tied: the head is the embedding matrix
-                if key not in shapes:
-                    raise ValueError(f"unexpected tensor {key} in {shard}: the model config.json describes "
-                                     "has no such parameter")
-                stored = f.get_slice(key)
-                shape = tuple(stored.get_shape())
-                if shape != shapes[key]:
-                    raise ValueError(f"tensor {key} in {shard} has shape {shape}, expected {shapes[key]}")
-                scale = None
-                if block is not None and stored.get_dtype() == FP8_STORAGE:
-                    scale = fp8_scale(key, shard, shape, block, scales)
-                    if key in held:
-                        scale = None  # copied as stored, its scale beside it
-                elif stored.get_dtype() not in FLOAT_STORAGE:
-                    fp8 = " (an FP8 checkpoint's config.json has a quantization_config)" if stored.get_dtype() == \
-                        FP8_STORAGE else ""
-                    raise ValueError(f"tensor {key} in {shard} has dtype {stored.get_dtype()}, expected a "
-                                     f"floating-point one ({', '.join(FLOAT_STORAGE)}){fp8}")
-                elif key in scales:
-                    raise ValueError(f"{key} in {shard} has a {SCALE_KEY} but is stored as {stored.get_dtype()}, "
-                                     "not FP8")
+                if not_loaded(key, config, shapes, block):
+                    continue
+                scale = check_tensor(key, shard, f.get_slice(key), shapes, block, held, scales)
                 seen.add(key)
                 if tp is None:
                     to_copy.append((key, None, scale))  # the whole tensor
@@ -307,6 +300,57 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
     return plan
+
+
+def checkpoint_scales(path: Path, shards: dict[str, list[str] | None]) -> dict[str, tuple[str, tuple, str]]:
+    """An FP8 checkpoint's {weight key: (shard, shape, dtype) of its scale}, from every file's
+    header: a checkpoint may keep a scale in another shard than its weight's."""
+    scales = {}
+    for shard in shards:
+        with _open(path / shard) as f:
+            for key in f.keys():
+                if key.endswith(SCALE_KEY):
+                    stored = f.get_slice(key)
+                    scales[key.removesuffix(SCALE_KEY) + "weight"] = (shard, tuple(stored.get_shape()),
+                                                                      stored.get_dtype())
+    return scales
+
+
+def not_loaded(key: str, config: Qwen3Config, shapes: dict[str, tuple], block: tuple[int, int] | None) -> bool:
+    """Whether checkpoint tensor `key` is no parameter of the model, and so stays out of the checks and
+    the plan: a buffer we derive, an FP8 weight's scale (read with its weight), a tied head."""
+    if key.endswith("rotary_emb.inv_freq"):
+        return True  # a derived buffer some exporters save; we compute it
+    if block is not None and key.endswith(SCALE_KEY) and key not in shapes:
+        return True  # read with its weight, to dequantize it
+    return key == "lm_head.weight" and config.tie_word_embeddings  # tied: the head is the embedding matrix
+
+
+def check_tensor(key: str, shard: str, stored, shapes: dict[str, tuple], block: tuple[int, int] | None,
+                 held: set[str], scales: dict[str, tuple[str, tuple, str]]) -> tuple[str, str] | None:
+    """Check checkpoint tensor `key` of `shard` (`stored`: its safetensors slice, header only)
+    against the model: a parameter of that shape, stored in a floating-point dtype, or in FP8 with
+    its scale in an FP8 checkpoint. Returns (shard, key) of the scale to dequantize it with as it
+    loads, None to copy it as stored (a floating-point tensor, or an FP8 weight the model holds in
+    FP8, its scale beside it). ValueError naming the file and the key otherwise."""
+    if key not in shapes:
+        raise ValueError(f"unexpected tensor {key} in {shard}: the model config.json describes "
+                         "has no such parameter")
+    shape = tuple(stored.get_shape())
+    if shape != shapes[key]:
+        raise ValueError(f"tensor {key} in {shard} has shape {shape}, expected {shapes[key]}")
+    if block is not None and stored.get_dtype() == FP8_STORAGE:
+        scale = fp8_scale(key, shard, shape, block, scales)
+        return None if key in held else scale  # held: copied as stored, its scale beside it
+    if stored.get_dtype() not in FLOAT_STORAGE:
+        fp8 = " (an FP8 checkpoint's config.json has a quantization_config)" if stored.get_dtype() == \
+            FP8_STORAGE else ""
+        raise ValueError(f"tensor {key} in {shard} has dtype {stored.get_dtype()}, expected a "
+                         f"floating-point one ({', '.join(FLOAT_STORAGE)}){fp8}")
+    if key in scales:
+        raise ValueError(f"{key} in {shard} has a {SCALE_KEY} but is stored as {stored.get_dtype()}, "
+                         "not FP8")
+    return None
 
 
 def fp8_scale(key: str, shard: str, shape: tuple, block: tuple[int, int],

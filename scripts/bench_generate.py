@@ -43,10 +43,7 @@ import argparse
 import datetime
 import json
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -55,24 +52,14 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench_models, tp_parity when loaded by path (the tests)
+from bench_models import CONFIGS, build, build_hf, ours_from_hf  # noqa: E402
+from tp_parity import parity  # noqa: E402
+
 from qwen3 import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from qwen3.loader import empty_model  # noqa: E402
 from qwen3.parallel import TensorParallel  # noqa: E402
 from qwen3.quantized import BLOCK, quantize_weights  # noqa: E402
 from runtime import metadata  # noqa: E402
-
-CONFIGS = {  # the real Qwen3 architectures
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                 max_position_embeddings=40960, rope_theta=1_000_000.0),
-    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-               max_position_embeddings=40960, rope_theta=1_000_000.0),
-    "30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
-                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
-                    max_position_embeddings=40960, rope_theta=1_000_000.0, num_experts=128,
-                    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
-}
 
 
 def sync():
@@ -97,19 +84,6 @@ def copy_bandwidth_GBps(device) -> float:
     return 2 * x.numel() * 2 / sorted(times[5:])[len(times[5:]) // 2] / 1e9
 
 
-def hf_tensor(weights: dict, key: str) -> torch.Tensor:
-    """The tensor of checkpoint key `key` in a transformers model's state dict. transformers 5 holds
-    a Qwen3-MoE layer's experts stacked (experts.gate_up_proj [E, 2I, D], experts.down_proj
-    [E, D, I]) and writes one tensor per expert only when saving: slice those out."""
-    if key in weights:
-        return weights[key]
-    stem, expert, proj = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key).groups()
-    if proj == "down":
-        return weights[f"{stem}.down_proj"][int(expert)]
-    gate_up = weights[f"{stem}.gate_up_proj"][int(expert)]
-    return gate_up.chunk(2)[proj == "up"]
-
-
 def step_weight_bytes(model: Qwen3ForCausalLM, batch: int) -> float:
     """Weight bytes one decode step reads: all of a dense model's but an untied input embedding's
     (a step reads only its tokens' rows; a tied one is the LM head's); of a MoE layer's experts, the
@@ -125,45 +99,6 @@ def step_weight_bytes(model: Qwen3ForCausalLM, batch: int) -> float:
         return total
     hit = 1 - (1 - model.config.num_experts_per_tok / model.config.num_experts) ** batch
     return total - expert_bytes * (1 - hit)
-
-
-def build_hf(name: str, device, dtype):
-    """transformers' model at CONFIGS[name] with its random init (seed 0) on the device. Built in
-    `dtype` directly (no fp32 copy first: 30B-A3B's would not fit beside the bf16 one)."""
-    torch.manual_seed(0)
-    moe = "num_experts" in CONFIGS[name]
-    hf_config = (transformers.Qwen3MoeConfig if moe else transformers.Qwen3Config)(**CONFIGS[name])
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            hf = (transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM)(hf_config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return hf.to(dtype).eval()
-
-
-def ours_from_hf(hf, norm: str, tp: TensorParallel | None = None) -> Qwen3ForCausalLM:
-    """Ours with hf's weights on hf's device; with tp, this rank's part (its slices, by the
-    loader's rule). The copy takes the place of from_pretrained, which would need a checkpoint on disk."""
-    weight = hf.get_output_embeddings().weight
-    config = Qwen3Config.from_dict(hf.config.to_dict(), norm_impl=norm)
-    ours = empty_model(Qwen3ForCausalLM, config, weight.dtype, weight.device, tp)
-    weights = hf.state_dict()
-    with torch.no_grad():
-        for key, tensor in ours.checkpoint_tensors().items():
-            index = tp.checkpoint_index(key, config) if tp else (slice(None),)
-            tensor.copy_(hf_tensor(weights, key)[index])
-    if tp is not None:  # as from_pretrained(tensor_parallel=True) leaves it
-        ours.requires_grad_(False)
-        tp.use_symmetric_memory(weight.dtype)
-    return ours.eval()
-
-
-def build(name: str, device, dtype, norm: str):
-    """(transformers model, ours) with the same random weights, both on the device."""
-    hf = build_hf(name, device, dtype)
-    return hf, ours_from_hf(hf, norm)
 
 
 GREEDY = dict(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
@@ -263,64 +198,10 @@ def write_json(path: Path, args, device, copy, results, prefills) -> None:
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
-# --parity: a small model, fp32, split 4 + 1 heads per rank at tp=2 (GQA), untied vocabulary shards.
-PARITY_CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False,
-                     max_position_embeddings=1024, rope_theta=1_000_000.0, attention_bias=True)
-
-
-def parity(device, tp_size: int, cpu_group) -> dict:
-    """Greedy tokens of a small fp32 checkpoint, loaded by from_pretrained whole (tp=1) and split
-    (tp=tp_size), on the fused Triton path with CUDA graphs, at batch 1 and 4; the same on every rank.
-    (On the CPU, a dry run: the torch path, eagerly.)"""
-    norm = "triton" if device.type == "cuda" else "torch"
-    rank = dist.get_rank()
-    directory = [tempfile.mkdtemp(prefix="tp-parity-") if rank == 0 else None]
-    dist.broadcast_object_list(directory, src=0, group=cpu_group)
-    if rank == 0:
-        torch.manual_seed(0)
-        hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**PARITY_CONFIG))
-        with torch.no_grad():  # weights large enough that every layer moves the logits
-            for name, param in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.copy_(1 + 0.2 * torch.randn_like(param))
-                else:
-                    param.normal_(0, 0.05)
-        hf.save_pretrained(directory[0])
-    dist.barrier(group=cpu_group)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, PARITY_CONFIG["vocab_size"], (b, 16), generator=gen).to(device) for b in (1, 4)]
-    whole = Qwen3ForCausalLM.from_pretrained(directory[0], dtype=torch.float32, device=device, norm_impl=norm,
-                                             progress=False)
-    with torch.no_grad():
-        whole_logits = whole(prompts[1])
-    tp1 = [whole.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
-    del whole
-    split = Qwen3ForCausalLM.from_pretrained(directory[0], dtype=torch.float32, device=device, norm_impl=norm,
-                                             progress=False, tensor_parallel=True)
-    with torch.no_grad():
-        split_logits = split(prompts[1])
-    tp2 = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
-    symmetric = split.tp.symmetric is not None
-    split.tp.symmetric = None  # again with every all-reduce through NCCL
-    tp2_nccl = [split.generate(ids, max_new_tokens=32, temperature=0.0) for ids in prompts]
-    dist.barrier(group=cpu_group)
-    if rank == 0:
-        shutil.rmtree(directory[0])
-    mine = torch.cat([t.flatten() for t in tp2])
-    everyone = [torch.empty_like(mine) for _ in range(tp_size)]
-    dist.all_gather(everyone, mine)
-    path = f"{norm}, {'CUDA graphs' if device.type == 'cuda' else 'eager'}"
-    return dict(parity=f"greedy tp={tp_size} vs tp=1, fp32, {path}", batches=[1, 4],
-                tokens_equal=all(torch.equal(a, b) for a, b in zip(tp1, tp2)),
-                tokens_equal_nccl_only=all(torch.equal(a, b) for a, b in zip(tp1, tp2_nccl)),
-                ranks_agree=all(torch.equal(everyone[0], t) for t in everyone),
-                prefill_logits_max_abs_diff=float((split_logits - whole_logits).abs().max()),
-                allreduce=("symmetric memory (small) + " if symmetric else "") + dist.get_backend())
-
-
-def main_tp(args) -> None:
-    """--tp N under torchrun: tp=1 on rank 0's GPU, then tp=N over all, in one run (module docstring)."""
+def init_tp(args) -> tuple[torch.device, dist.ProcessGroup]:
+    """Join torchrun's processes: NCCL on this rank's GPU, or gloo on CPU processes (fp32: a dry run
+    of this script, not a measurement). Returns the device and a gloo group, for waits that need no
+    GPU. Exits, saying why, unless --tp matches the processes and --engines are ours."""
     if int(os.environ.get("WORLD_SIZE", 1)) != args.tp:
         sys.exit(f"--tp {args.tp} runs under torchrun with as many processes: "
                  f"torchrun --standalone --nproc-per-node {args.tp} scripts/bench_generate.py --tp {args.tp} ...")
@@ -333,7 +214,52 @@ def main_tp(args) -> None:
     else:  # CPU processes (gloo, fp32): a dry run of this script, not a measurement
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
-    cpu_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))  # waits without a GPU
+    return device, dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))  # waits without a GPU
+
+
+def decode_rows_tp(name, ours, tp, args, device, copy, say) -> list[dict]:
+    """Rows of our engines at each batch size, with tp ranks; the prompts are seeded by the batch
+    size, so that tp=1 and tp=N decode the same ones."""
+    rows = []
+    for batch in args.batches:
+        gen = torch.Generator().manual_seed(batch)  # the same prompts at tp=1 and tp=N
+        ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+        for engine in args.engines:
+            graph = engine == "ours" and device.type == "cuda"
+            with torch.inference_mode():
+                time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks its kernels
+                prefill_ms, steps = time_ours(ours, ids, args.new, graph)
+            row = decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy)
+            rows.append(row)
+            say(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_model_tp(name, args, device, dtype, copy, cpu_group, say) -> list[dict]:
+    """Rows of model `name`: ours on rank 0's GPU alone (tp=1, the other ranks waiting), then split
+    over every rank (tp=N), from the same random weights on every rank."""
+    hf = build_hf(name, device, dtype)
+    with torch.no_grad():  # rank 0's random weights on every rank, whatever each GPU's init drew
+        for tensor in hf.state_dict().values():
+            dist.broadcast(tensor, src=0)
+    rows = []
+    if dist.get_rank() == 0:
+        ours = ours_from_hf(hf, args.norm)
+        rows += decode_rows_tp(name, ours, 1, args, device, copy, say)
+        ours = None
+        torch.cuda.empty_cache()
+    dist.barrier(group=cpu_group)
+    tp = TensorParallel.from_default_group(Qwen3Config.from_dict(hf.config.to_dict()), device)
+    ours = ours_from_hf(hf, args.norm, tp)
+    hf = None
+    torch.cuda.empty_cache()
+    say(f"qwen3-{name}: {tp}", flush=True)
+    return rows + decode_rows_tp(name, ours, args.tp, args, device, copy, say)
+
+
+def main_tp(args) -> None:
+    """--tp N under torchrun: tp=1 on rank 0's GPU, then tp=N over all, in one run (module docstring)."""
+    device, cpu_group = init_tp(args)
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -346,46 +272,16 @@ def main_tp(args) -> None:
             say(json.dumps(dict(parity="failed", error=f"{type(err).__name__}: {err}")), flush=True)
             dist.barrier(group=cpu_group)
     results = []
-
-    def measure(name, ours, tp):
-        for batch in args.batches:
-            gen = torch.Generator().manual_seed(batch)  # the same prompts at tp=1 and tp=N
-            ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
-            for engine in args.engines:
-                graph = engine == "ours" and device.type == "cuda"
-                with torch.inference_mode():
-                    time_ours(ours, ids, 8, graph)  # warm up: Triton compiles, cuBLAS picks its kernels
-                    prefill_ms, steps = time_ours(ours, ids, args.new, graph)
-                row = decode_row(name, engine, batch, args, tp, prefill_ms, steps, ours, copy)
-                results.append(row)
-                say(json.dumps(row), flush=True)
-
     for name in args.models:
-        hf = build_hf(name, device, dtype)
-        with torch.no_grad():  # rank 0's random weights on every rank, whatever each GPU's init drew
-            for tensor in hf.state_dict().values():
-                dist.broadcast(tensor, src=0)
-        if rank == 0:
-            ours = ours_from_hf(hf, args.norm)
-            measure(name, ours, tp=1)
-            ours = None
-            torch.cuda.empty_cache()
-        dist.barrier(group=cpu_group)
-        tp = TensorParallel.from_default_group(Qwen3Config.from_dict(hf.config.to_dict()), device)
-        ours = ours_from_hf(hf, args.norm, tp)
-        hf = None
-        torch.cuda.empty_cache()
-        say(f"qwen3-{name}: {tp}", flush=True)
-        measure(name, ours, tp=args.tp)
-        ours = None
-        torch.cuda.empty_cache()
+        results += bench_model_tp(name, args, device, dtype, copy, cpu_group, say)
+        torch.cuda.empty_cache()  # this model's part gone, before the next is built
     if rank == 0 and args.json:
         write_json(args.json, args, device, copy, results, [])
     dist.barrier(group=cpu_group)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["0.6b"], choices=list(CONFIGS))
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
@@ -404,7 +300,77 @@ def main() -> None:
     p.add_argument("--parity", action="store_true", help="with --tp: first check greedy tokens tp=N == tp=1 (fp32)")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="ours with FP8 projections (see above); transformers stays bf16")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def quantize_ours(name, ours, args, device) -> float | None:
+    """--quantization fp8: ours' projections quantized in place, as from_pretrained(quantization="fp8")
+    quantizes them. Returns the long prefill's ms timed in bf16 first, for the comparison (None
+    without --long-prompt)."""
+    bf16_prefill_ms = None
+    if args.long_prompt:  # bf16 first, for the comparison
+        with torch.inference_mode():
+            bf16_prefill_ms = time_long_prefill(ours, args.long_prompt, device)
+    quantize_weights(ours, BLOCK, hold=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        ours_gb = sum(t.numel() * t.element_size() for t in ours.parameters()) / 1e9
+        print(f"{model_name(name, args)}: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated with "
+              f"transformers' bf16 model, {ours_gb:.2f} GB of it ours", flush=True)
+    return bf16_prefill_ms
+
+
+def time_engine(engine, hf, ours, ids, new, device) -> tuple[float, float]:
+    """(prefill ms, decode steps per second) of one engine (module docstring) on prompts `ids`,
+    after a warm-up call."""
+    with torch.inference_mode():
+        if engine.startswith("ours"):
+            graph = engine != "ours_eager" and device.type == "cuda"
+            sampling = SAMPLED if engine == "ours_sampled" else GREEDY
+            time_ours(ours, ids, 8, graph, sampling)  # warm up: Triton compiles, cuBLAS picks kernels
+            return time_ours(ours, ids, new, graph, sampling)
+        kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
+        time_hf(hf, ids, new, **kwargs)  # warm up: compiles the static-cache forward
+        return time_hf(hf, ids, new, **kwargs)
+
+
+def decode_rows(name, hf, ours, args, device, copy, gen) -> list[dict]:
+    """Rows of every engine at each batch size (transformers' and ours_eager only at --hf-batches,
+    where given), on random prompts drawn from `gen`."""
+    rows = []
+    for batch in args.batches:
+        ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+        for engine in args.engines:
+            if engine.startswith("hf") and args.hf_batches and batch not in args.hf_batches:
+                continue
+            if engine == "ours_eager" and batch not in (args.hf_batches or args.batches):
+                continue
+            prefill_ms, steps = time_engine(engine, hf, ours, ids, args.new, device)
+            row = decode_row(name, engine, batch, args, 1, prefill_ms, steps, ours, copy)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def long_prefill_row(name, hf, ours, args, device, gen, bf16_prefill_ms) -> dict:
+    """The prefill row: ms of ours' and transformers' (SDPA) prefill of one random --long-prompt
+    prompt drawn from `gen`, each computing the logits of the last token only."""
+    ids = torch.randint(0, ours.config.vocab_size, (1, args.long_prompt), generator=gen).to(device)
+    positions = torch.arange(args.long_prompt, device=device)
+    last_token = metadata.plain(1, args.long_prompt, device, last_only=True)  # its logits only, as HF's
+    with torch.inference_mode():
+        mask = torch.ones_like(ids)
+        row = dict(model=model_name(name, args), prompt=args.long_prompt, commit=args.commit,
+                   ours_ms=round(time_prefill(lambda: ours(ids[0], positions, last_token)), 2),
+                   hf_sdpa_ms=round(time_prefill(lambda: hf(ids, attention_mask=mask, logits_to_keep=1)), 2))
+        if bf16_prefill_ms is not None:
+            row["ours_bf16_ms"] = round(bf16_prefill_ms, 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    args = parse_args()
     if args.tp > 1:
         args.engines = args.engines or ["ours"]
         main_tp(args)
@@ -417,51 +383,11 @@ def main() -> None:
     results, prefills = [], []
     for name in args.models:
         hf, ours = build(name, device, dtype, args.norm)
-        gen = torch.Generator().manual_seed(0)
-        bf16_prefill_ms = None
-        if args.quantization:
-            if args.long_prompt:  # bf16 first, for the comparison
-                with torch.inference_mode():
-                    bf16_prefill_ms = time_long_prefill(ours, args.long_prompt, device)
-            quantize_weights(ours, BLOCK, hold=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                ours_gb = sum(t.numel() * t.element_size() for t in ours.parameters()) / 1e9
-                print(f"{model_name(name, args)}: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated with "
-                      f"transformers' bf16 model, {ours_gb:.2f} GB of it ours", flush=True)
-        for batch in args.batches:
-            ids = torch.randint(0, ours.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
-            for engine in args.engines:
-                if engine.startswith("hf") and args.hf_batches and batch not in args.hf_batches:
-                    continue
-                if engine == "ours_eager" and batch not in (args.hf_batches or args.batches):
-                    continue
-                with torch.inference_mode():
-                    if engine.startswith("ours"):
-                        graph = engine != "ours_eager" and device.type == "cuda"
-                        sampling = SAMPLED if engine == "ours_sampled" else GREEDY
-                        time_ours(ours, ids, 8, graph, sampling)  # warm up: Triton compiles, cuBLAS picks kernels
-                        prefill_ms, steps = time_ours(ours, ids, args.new, graph, sampling)
-                    else:
-                        kwargs = {"cache_implementation": "static"} if engine == "hf_static_compile" else {}
-                        time_hf(hf, ids, args.new, **kwargs)  # warm up: compiles the static-cache forward
-                        prefill_ms, steps = time_hf(hf, ids, args.new, **kwargs)
-                row = decode_row(name, engine, batch, args, 1, prefill_ms, steps, ours, copy)
-                results.append(row)
-                print(json.dumps(row), flush=True)
+        gen = torch.Generator().manual_seed(0)  # the decode prompts, then the long one
+        bf16_prefill_ms = quantize_ours(name, ours, args, device) if args.quantization else None
+        results += decode_rows(name, hf, ours, args, device, copy, gen)
         if args.long_prompt:
-            ids = torch.randint(0, ours.config.vocab_size, (1, args.long_prompt), generator=gen).to(device)
-            positions = torch.arange(args.long_prompt, device=device)
-            last_token = metadata.plain(1, args.long_prompt, device, last_only=True)  # its logits only, as HF's
-            with torch.inference_mode():
-                mask = torch.ones_like(ids)
-                row = dict(model=model_name(name, args), prompt=args.long_prompt, commit=args.commit,
-                           ours_ms=round(time_prefill(lambda: ours(ids[0], positions, last_token)), 2),
-                           hf_sdpa_ms=round(time_prefill(lambda: hf(ids, attention_mask=mask, logits_to_keep=1)), 2))
-                if bf16_prefill_ms is not None:
-                    row["ours_bf16_ms"] = round(bf16_prefill_ms, 2)
-            prefills.append(row)
-            print(json.dumps(row), flush=True)
+            prefills.append(long_prefill_row(name, hf, ours, args, device, gen, bf16_prefill_ms))
         hf = ours = None  # free this model's memory before the next is built
         if device.type == "cuda":
             torch.cuda.empty_cache()

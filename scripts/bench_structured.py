@@ -73,7 +73,7 @@ def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], 
     return texts, [out[-1].finish_reason for out in outputs], [out[-1].completion_tokens for out in outputs], seconds
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=["0.6b", "8b"], help="random weights of this Qwen3 architecture "
                    "(default: the shipped model)")
@@ -81,17 +81,48 @@ def main(argv=None) -> None:
     p.add_argument("--output", type=int, default=200, help="tokens per request at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def load(config: str | None, device: torch.device) -> Qwen3ForCausalLM:
+    """Random bf16 weights of architecture `config` (bench_generate.py's), or the shipped model in fp32."""
+    if config:
+        from bench_generate import build  # scripts/ is on the path of a script run
+
+        _, model = build(config, device, torch.bfloat16, "auto")
+        return model
+    return Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, device=device, progress=False)
+
+
+def run_with_phases(engine: Engine, requests: list[Request]) -> tuple[tuple, dict]:
+    """run(engine, requests), and on a GPU where a constrained step's host time goes: milliseconds
+    per step in each of its phases (the launches, the grammars' matching and token masks, the
+    acceptance), with the steps and seconds ({} on the CPU)."""
+    if engine.device.type != "cuda":
+        return run(engine, requests), {}
+    from bench_engine import timed_phases
+
+    spent = timed_phases(engine, ("_launch_prefills", "_launch_decode", "_match", "_allow", "_accept_step"))
+    step, steps = engine.step, [0]
+
+    def counted():
+        steps[0] += 1
+        step()
+
+    engine.step = counted
+    outputs = run(engine, requests)
+    engine.step = step
+    phases = {f"{name.strip('_')}_ms_per_step": round(1e3 * t / steps[0], 3) for name, t in spent.items()}
+    return outputs, phases | {"steps": steps[0], "seconds": round(outputs[3], 3)}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     import jsonschema
 
     device = torch.device(args.device)
     tokenizer = load_tokenizer(SHIPPED)
-    if args.config:
-        from bench_generate import build  # scripts/ is on the path of a script run
-
-        _, model = build(args.config, device, torch.bfloat16, "auto")
-    else:
-        model = Qwen3ForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32, device=device, progress=False)
+    model = load(args.config, device)
     rng = random.Random(args.seed)
     schemas = [random_schema(rng) for _ in range(args.requests)]
     prompt = tokenizer("Reply with a JSON object:\n", add_special_tokens=False)["input_ids"]
@@ -102,23 +133,7 @@ def main(argv=None) -> None:
     run(engine, warm + [Request(prompt, 4, greedy)])  # compile kernels, capture graphs
     constrained = [Request(prompt, args.output, greedy, grammar=structural_tag(json_format(s))) for s in schemas]
     _, _, _, cold_s = run(engine, constrained)
-    steps, phases = [0], {}
-    if device.type == "cuda":  # where a constrained step's host time goes
-        from bench_engine import timed_phases
-
-        spent = timed_phases(engine, ("_launch_prefills", "_launch_decode", "_match", "_allow", "_accept_step"))
-        step = engine.step
-
-        def counted():
-            steps[0] += 1
-            step()
-
-        engine.step = counted
-    texts, reasons, lengths, seconds = run(engine, constrained)
-    if device.type == "cuda":
-        phases = {f"{name.strip('_')}_ms_per_step": round(1e3 * t / steps[0], 3) for name, t in spent.items()}
-        phases |= {"steps": steps[0], "seconds": round(seconds, 3)}
-        engine.step = step
+    (texts, reasons, lengths, seconds), phases = run_with_phases(engine, constrained)
     _, _, free_lengths, free_s = run(engine, [Request(prompt, n, greedy, eos_ids=()) for n in lengths])
     tokens, free_tokens = sum(lengths), sum(free_lengths)
     valid = 0

@@ -16,6 +16,7 @@ import platform
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "    def
 ARCH = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
             rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+WARMUP = 100  # steps of linear learning-rate warm-up
 
 
 def corpus_files() -> tuple[Path, list[Path], list[Path]]:
@@ -153,7 +155,7 @@ def plot(log: list[dict], baseline: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=ROOT / "weights" / "qwen3-stdlib-tiny")
     p.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "tiny")
@@ -170,11 +172,22 @@ def main(argv=None) -> None:
     p.add_argument("--max-train-files", type=int, default=None, help="train on the first N files only (quick runs)")
     p.add_argument("--max-val-tokens", type=int, default=None,
                    help="validate on the first N validation tokens only (quick runs; default: all)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
-    args.run_dir.mkdir(parents=True, exist_ok=True)
+
+@dataclass
+class Corpus:
+    """The tokenizer, trained on the training files, and the token streams it encodes them to."""
+
+    tok: object  # a tokenizers.Tokenizer
+    train_files: int
+    train: torch.Tensor  # [tokens] on the device, each file followed by EOT
+    val: torch.Tensor
+    baseline: float  # unigram_cross_entropy: the loss a model must beat to have learnt any context
+
+
+def load_corpus(args, device: torch.device) -> Corpus:
+    """The stdlib corpus (--max-train-files, --max-val-tokens), tokenized, with its unigram baseline."""
     stdlib, train_files, val_files = corpus_files()
     train_files = train_files[: args.max_train_files]
     train_texts, val_texts = read(train_files), read(val_files)
@@ -186,64 +199,87 @@ def main(argv=None) -> None:
     print(f"corpus: {stdlib} (Python {platform.python_version()}), {len(train_files)} train files "
           f"({len(train_tokens):,} tokens), {len(val_files)} validation files ({len(val_tokens):,} tokens); "
           f"tokenizer {time.time() - t0:.0f}s; unigram baseline {baseline:.3f}", flush=True)
+    return Corpus(tok, len(train_files), train_tokens, val_tokens, baseline)
 
-    model = Qwen3ForCausalLM(Qwen3Config.from_dict(ARCH, norm_impl=args.norm)).to(device)
-    init_weights(model)
-    n_params = sum(p.numel() for p in model.parameters())
+
+def optimizer(model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """AdamW (betas 0.9, 0.95), weight decay 0.1 on the matrices only: the 1-D parameters (the
+    norms' gains) are not pulled toward 0."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    warmup = 100
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
 
-    resume = args.run_dir / "resume.pt"
-    log: list[dict] = []
-    step, trained_s = 0, 0.0
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    if resume.exists():
-        state = torch.load(resume, map_location=device, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        gen.set_state(state["gen"])
-        step, trained_s, log = state["step"], state["trained_s"], state["log"]
-        print(f"resumed at step {step}", flush=True)
+def lr_at(step: int, lr: float, steps: int) -> float:
+    """Linear warm-up over WARMUP steps, then a cosine from lr down to lr / 10 at `steps`."""
+    if step < WARMUP:
+        return lr * (step + 1) / WARMUP
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / steps))))
 
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    best = min((r["val_loss"] for r in log if "val_loss" in r), default=float("inf"))
+
+@dataclass
+class Progress:
+    """Where training stands: saved in the resume checkpoint beside the model, optimizer and generator."""
+
+    step: int = 0
+    trained_s: float = 0.0
+    log: list[dict] = field(default_factory=list)  # train and validation losses, as log.jsonl holds them
+
+
+def resume(path: Path, model, opt, gen: torch.Generator, device: torch.device) -> Progress:
+    """The progress of an earlier run, its model, optimizer and generator restored, from the
+    checkpoint at `path`; a fresh start without one."""
+    if not path.exists():
+        return Progress()
+    state = torch.load(path, map_location=device, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    print(f"resumed at step {state['step']}", flush=True)
+    return Progress(state["step"], state["trained_s"], state["log"])
+
+
+def train(model, opt, gen: torch.Generator, corpus: Corpus, progress: Progress, args, amp) -> float:
+    """Train up to --steps or --time-limit, validating (and saving the resume checkpoint in
+    --run-dir) every --eval-every steps; `progress` advances as it goes. Leaves the model at the
+    weights of the lowest validation loss, and returns that loss."""
+    best = min((r["val_loss"] for r in progress.log if "val_loss" in r), default=float("inf"))
     best_state = None
-    start = time.time() - trained_s
-    while step < args.steps and time.time() - start < args.time_limit:
+    start = time.time() - progress.trained_s
+    while progress.step < args.steps and time.time() - start < args.time_limit:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        x, y = batch(train_tokens, args.batch, args.seq, gen)
+            group["lr"] = lr_at(progress.step, args.lr, args.steps)
+        x, y = batch(corpus.train, args.batch, args.seq, gen)
         with amp:
             loss = loss_of(model, x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step += 1
+        progress.step += 1
+        step = progress.step
         if step % 50 == 0:
-            log.append({"step": step, "train_loss": loss.item(), "s": round(time.time() - start, 1)})
+            progress.log.append({"step": step, "train_loss": loss.item(), "s": round(time.time() - start, 1)})
         if step % args.eval_every == 0 or step == args.steps:
-            val = evaluate(model, val_tokens, args.seq, amp)
-            log.append({"step": step, "val_loss": val, "s": round(time.time() - start, 1)})
+            val = evaluate(model, corpus.val, args.seq, amp)
+            progress.log.append({"step": step, "val_loss": val, "s": round(time.time() - start, 1)})
             print(f"step {step}: train {loss.item():.3f} val {val:.3f} ({time.time() - start:.0f}s)", flush=True)
             if val < best:
                 best, best_state = val, {k: v.detach().clone() for k, v in model.state_dict().items()}
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step, "trained_s": time.time() - start, "log": log}, resume)
-    trained_s = time.time() - start
-    final = evaluate(model, val_tokens, args.seq, amp)
+                        "step": step, "trained_s": time.time() - start, "log": progress.log},
+                       args.run_dir / "resume.pt")
+    progress.trained_s = time.time() - start
+    final = evaluate(model, corpus.val, args.seq, amp)
     if final < best:  # export the checkpoint with the lowest validation loss
         best, best_state = final, model.state_dict()
     model.load_state_dict(best_state)
+    return best
 
+
+def sample(model, tok, device: torch.device) -> list[tuple[str, str]]:
+    """(prompt, greedy continuation) of each of SAMPLE_PROMPTS, for the model card."""
     model.eval()
     samples = []
     for prompt in SAMPLE_PROMPTS:
@@ -251,16 +287,35 @@ def main(argv=None) -> None:
         out = model.generate(ids, max_new_tokens=64, temperature=0.0, repetition_penalty=1.1,
                              eos_token_id=tok.token_to_id(EOT))
         samples.append((prompt, tok.decode(out[0].tolist())))
+    return samples
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    corpus = load_corpus(args, device)
+    model = Qwen3ForCausalLM(Qwen3Config.from_dict(ARCH, norm_impl=args.norm)).to(device)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = optimizer(model, args.lr, device)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    progress = resume(args.run_dir / "resume.pt", model, opt, gen, device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    best = train(model, opt, gen, corpus, progress, args, amp)
+
+    samples = sample(model, corpus.tok, device)
     hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
-    summary = dict(python=platform.python_version(), train_files=len(train_files), val_files=VALIDATION_FILES,
-                   train_tokens=len(train_tokens), val_tokens=len(val_tokens), params=n_params, steps=step,
-                   batch=args.batch, seq=args.seq, train_seconds=round(trained_s), hardware=hardware,
-                   norm_impl=ops.resolve_impl(args.norm, device), best_val_loss=best, unigram_val_loss=baseline,
-                   torch=torch.__version__)
+    summary = dict(python=platform.python_version(), train_files=corpus.train_files, val_files=VALIDATION_FILES,
+                   train_tokens=len(corpus.train), val_tokens=len(corpus.val), params=n_params, steps=progress.step,
+                   batch=args.batch, seq=args.seq, train_seconds=round(progress.trained_s), hardware=hardware,
+                   norm_impl=ops.resolve_impl(args.norm, device), best_val_loss=best,
+                   unigram_val_loss=corpus.baseline, torch=torch.__version__)
     (args.run_dir / "summary.json").write_text(json.dumps({**summary, "samples": samples}, indent=2))
-    (args.run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-    plot(log, baseline, args.run_dir / "loss.png")
-    export(model, tok, args.out, model_card(summary, samples))
+    (args.run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in progress.log))
+    plot(progress.log, corpus.baseline, args.run_dir / "loss.png")
+    export(model, corpus.tok, args.out, model_card(summary, samples))
     print(json.dumps(summary, indent=2))
     for prompt, text in samples:
         print(f"--- {prompt!r}\n{text}")
