@@ -49,6 +49,10 @@ class Metrics:
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's consecutive tokens",
                              labels, buckets=ITL_BUCKETS, registry=r)
         self.model_name = model_name
+        # This model's series, looked up once: every generated token observes one (labels() takes a
+        # lock and a dict lookup each call, on the thread that hands out every stream's tokens).
+        self.ttft_series, self.itl_series = self.ttft.labels(model_name), self.itl.labels(model_name)
+        self.generated_series = self.generation_tokens.labels(model_name)
         self._prefix_seen = (0, 0)  # the engine's running totals at the last scrape
 
     def request(self) -> "RequestClock":
@@ -78,18 +82,19 @@ class RequestClock:
         self.first = True
 
     def output(self, out: Output) -> None:
-        m, name = self.metrics, self.metrics.model_name
+        m = self.metrics
         now = time.monotonic()
         if out.token_ids:
             if self.first:
-                m.ttft.labels(name).observe(now - self.start)
+                m.ttft_series.observe(now - self.start)
                 self.first = False
             else:
                 gap = (now - self.last) / len(out.token_ids)
                 for _ in out.token_ids:
-                    m.itl.labels(name).observe(gap)
-            m.generation_tokens.labels(name).inc(len(out.token_ids))
+                    m.itl_series.observe(gap)
+            m.generated_series.inc(len(out.token_ids))
             self.last = now
         if out.finish_reason is not None:
+            name = m.model_name
             m.finished.labels(name, FINISHED.get(out.finish_reason, out.finish_reason)).inc()
             m.prompt_tokens.labels(name).inc(out.prompt_tokens)

@@ -3,6 +3,7 @@
     engine.submit(Request(prompt_ids, max_tokens, SamplingParams(...), seed=...), on_output)
 """
 
+import itertools
 from dataclasses import dataclass
 
 from runtime import checks
@@ -62,7 +63,9 @@ def check_request(request: Request, limits: Limits) -> None:
     k = request.logprobs
     if k is not None and not (type(k) is int and 0 <= k <= MAX_LOGPROBS):
         raise ParameterError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-    if not all(isinstance(t, int) and 0 <= t < limits.vocab_size for t in request.prompt_ids):
+    ids = request.prompt_ids  # checked on the server's event loop for every request: C loops, not a genexpr
+    ints = all(map(isinstance, ids, itertools.repeat(int)))
+    if ids and not (ints and 0 <= min(ids) and max(ids) < limits.vocab_size):
         raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
     blocks = -(-(n + request.max_tokens) // limits.block_size)
     if blocks > limits.n_blocks:

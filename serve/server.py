@@ -50,6 +50,7 @@ Choices made here:
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -269,6 +270,15 @@ class Server:
             spec = calls
         return spec
 
+    async def grammar_of(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
+        """grammar(), from a worker thread when there is a schema or tools to build a grammar of; a
+        request without runs only its checks, on the loop (a thread's round trip per request
+        would wait behind every stream's chunks at hundreds of streams)."""
+        fmt, tools = req.response_format, chat and req.tools
+        if (fmt is not None and fmt.type != "text") or tools:
+            return await asyncio.to_thread(self.grammar, req, prompt_ids, chat)
+        return self.grammar(req, prompt_ids, chat)
+
     def reasoning_block(self, prompt_ids: list[int]) -> str:
         """How a chat prompt leaves the reply's reasoning block (serve/constraints.py reasoning_of):
         "inside" (the prompt opened it), "first" (the model opens it) or "none"."""
@@ -395,45 +405,59 @@ class Server:
         away, Starlette cancels this generator at its await, and EventStream's on_close cancels the
         sequences. A chat reply's reasoning goes to delta.reasoning_content, its tool calls to
         delta.tool_calls, a whole call in one delta (Choice.delta)."""
-        created = int(time.time())
-        kind = "chat.completion.chunk" if chat else "text_completion"
+        # Every chunk's fields but its choice, written once: the event loop writes a chunk per
+        # stream per engine step (tens of thousands a second at hundreds of streams).
+        head = "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                      "created": int(time.time()), "model": self.model_name})[:-1] + ', "choices": ['
 
-        def chunk(choice: dict | None, usage: dict | None = None) -> str:
-            body = {"id": rid, "object": kind, "created": created, "model": self.model_name,
-                    "choices": [choice] if choice else []}
-            if usage:
-                body["usage"] = usage
-            return event(body)
+        def chunk(choice: dict) -> str:
+            return f"{head}{json.dumps(choice)}]}}\n\n"
 
         if chat:
             for c in choices:
                 yield chunk(c.role())
-        waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
         last: list[Output] = []
-        try:
-            while waiting:
-                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-                for task in sorted(done, key=lambda t: waiting[t].index):
-                    c, out = waiting.pop(task), task.result()  # what arrived since its last chunk
-                    if (error := self.failure(c.outputs, out)) is not None:
-                        if out.text:
-                            yield chunk(c.delta(out, final=True))
-                        yield event(error.body())
-                        yield "data: [DONE]\n\n"
-                        return
-                    if out.finish_reason == "cancelled":  # its client has left
-                        return
-                    yield chunk(c.delta(out))
-                    if out.finish_reason is None:
-                        waiting[asyncio.ensure_future(c.outputs.take())] = c
-                    else:
-                        last.append(out)
-        finally:
-            for task in waiting:
-                task.cancel()
+        async with contextlib.aclosing(arrivals(choices)) as news:
+            async for c, out in news:
+                if (error := self.failure(c.outputs, out)) is not None:
+                    if out.text:
+                        yield chunk(c.delta(out, final=True))
+                    yield event(error.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                if out.finish_reason == "cancelled":  # its client has left
+                    return
+                yield chunk(c.delta(out))
+                if out.finish_reason is not None:
+                    last.append(out)
         if include_usage:
-            yield chunk(None, usage=self.usage(last))
+            yield f"{head}], \"usage\": {json.dumps(self.usage(last))}}}\n\n"
         yield "data: [DONE]\n\n"
+
+
+async def arrivals(choices: list[Choice]):
+    """(choice, what arrived since its last output, merged) as the choices' outputs arrive, until
+    each has had its last. One choice (most requests) awaits its own outputs; several wait for the
+    first of a task each."""
+    if len(choices) == 1:
+        c = choices[0]
+        while True:
+            out = await c.outputs.take()
+            yield c, out
+            if out.finish_reason is not None:
+                return
+    waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: waiting[t].index):
+                c, out = waiting.pop(task), task.result()
+                yield c, out
+                if out.finish_reason is None:
+                    waiting[asyncio.ensure_future(c.outputs.take())] = c
+    finally:
+        for task in waiting:
+            task.cancel()
 
 
 def checked(spec: str, where: str, schema) -> None:
@@ -538,7 +562,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         req = parse(CompletionRequest, await request.body())
         server.check_model(req.model)
         ids = server.completion_prompt(req)
-        grammar = await asyncio.to_thread(server.grammar, req, ids, False)
+        grammar = await server.grammar_of(req, ids, False)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
                                                logprobs=req.logprobs, grammar=grammar)
         return await server.run(request, engine_request, req)
@@ -557,7 +581,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         if req.top_logprobs and not req.logprobs:  # as OpenAI refuses it
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        grammar = await asyncio.to_thread(server.grammar, req, ids, True)
+        grammar = await server.grammar_of(req, ids, True)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
                                                logprobs=logprobs, grammar=grammar)
         return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])

@@ -22,6 +22,8 @@ from runtime.sampler import Sampler
 # keeps the matmuls longer (docs/benchmarks/serve-notes.md: 8,192 against 4,096).
 PREFILL_GRAPH_TOKENS = 8192
 PACKED_SEQUENCES = 64
+# Prefill graphs every FINE_BUCKET_STEP tokens from FINE_BUCKETS_FROM on (prefill_buckets).
+FINE_BUCKETS_FROM, FINE_BUCKET_STEP = 2048, 512
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -165,12 +167,15 @@ def chunk_tokens(budget: float, start: int, remaining: int, cost: float) -> int:
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Prompt lengths with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and
-    1.5 times them: a prompt of 16 tokens or more is padded by less than half), up to max_tokens."""
+    """Pack sizes with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and 1.5
+    times them: a short pack is padded by less than half) up to 2,048, then every 512 tokens up to
+    max_tokens: a step's pack is its budget's worth of tokens, a few percent under the largest
+    bucket whatever the prompts' lengths, and each padding token costs a real token's matmuls."""
     sizes, n = [], 16
-    while n < max_tokens:
+    while n < min(max_tokens, FINE_BUCKETS_FROM):
         sizes += [n, n * 3 // 2]
         n *= 2
+    sizes += range(FINE_BUCKETS_FROM, max_tokens, FINE_BUCKET_STEP)
     return [b for b in sizes if b < max_tokens] + [max_tokens]
 
 

@@ -276,6 +276,7 @@ def test_graph_buckets_and_the_cuda_graph_switch(model):
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert prefill_buckets(40) == [16, 24, 32, 40] and prefill_buckets(8) == [8]
     assert prefill_buckets(2048) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_buckets(4096)[-6:] == [1536, 2048, 2560, 3072, 3584, 4096]  # every 512 from 2,048 on
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match="cuda_graph=True needs the model on a CUDA device"):
             Engine(model, cuda_graph=True)
