@@ -22,7 +22,7 @@ Faults, as a client sees them:
 - A client that leaves cancels its request within one engine step, and its blocks are freed:
   Starlette ends a stream when its client disconnects; a request that is not streamed has a task
   that awaits the ASGI disconnect message (no polling).
-- SIGINT or SIGTERM (HTTPServer): new connections are refused and new requests on open ones get
+- SIGINT or SIGTERM (serve/http_server.py): new connections are refused and new requests on open ones get
   503; open requests have shutdown_timeout_s to finish, then end with an error their clients
   read (a stream's last event, a 503); the engine process is stopped and the server exits 0. A
   second signal exits at once (status 128 + the signal).
@@ -52,36 +52,31 @@ Choices made here:
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import json
-import os
-import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from runtime.grammar import check_spec, structural_tag
-from runtime.reasoning import OPEN, ReasoningSplitter
+from runtime.reasoning import OPEN
 from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
 from .choices import Choice, LogprobsWriter
-from .constraints import json_format, reasoning_of, response_grammar, tool_grammar, unenforced
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields, parse
+from .prompts import chat_prompt, completion_prompt, reasoning_block, reply_grammar, reply_parser
+from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
-from .streams import EventStream, Outbox, Outputs, event
+from .streams import EventStream, Outbox, Outputs, arrivals, event
 
 # The thread that receives the engine's outputs and the event loop share the GIL. The receiver
 # waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
@@ -90,9 +85,6 @@ from .streams import EventStream, Outbox, Outputs, event
 GIL_SWITCH_INTERVAL_S = 1e-4
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves by whole requests, each a second or so
 HEALTH_TIMEOUT_S = 10.0  # /health's wait for the engine's numbers; longer is a 503
-# uvicorn's own bound on a graceful shutdown, past the server's: requests cut at the end of the
-# grace period still need a moment to send their last event.
-SHUTDOWN_MARGIN_S = 5.0
 
 
 def engine_dead(reason: str) -> OpenAIError:
@@ -184,115 +176,15 @@ class Server:
             raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from None
         return request
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(400, f"One prompt per request, got {len(prompt)}", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return list(prompt)
-
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise OpenAIError(400, f"The model `{self.model_name}` has no chat template (a base model): use "
-                                   "/v1/completions with a plain prompt", param="messages")
-        messages = []
-        for i, m in enumerate(req.messages):
-            content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
-                part.text for part in m.content)  # parts kept apart, as vLLM joins them
-            # OpenAI's developer role is the system role of reasoning models; Qwen3's templates know
-            # only system, and would drop the message.
-            message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
-            if m.name is not None:  # the template decides whether to show it (Qwen3's do not)
-                message["name"] = m.name
-            if m.tool_calls:  # the template writes the arguments as JSON: it takes them as an object
-                message["tool_calls"] = [{"type": "function", "id": call.id, "function": {
-                    "name": call.function.name, "arguments": json_object(call.function.arguments,
-                                                                         f"messages[{i}].tool_calls[{j}]")}}
-                    for j, call in enumerate(m.tool_calls)]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            if (reasoning := m.reasoning_content if m.reasoning_content is not None else m.reasoning) is not None:
-                message["reasoning_content"] = reasoning
-            messages.append(message)
-        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
-        # The template's own variables only: apply_chat_template's arguments (the template, tools, the
-        # generation prompt...) are the server's to set.
-        arguments = inspect.signature(self.tokenizer.apply_chat_template).parameters
-        for key in req.chat_template_kwargs or {}:
-            if key in arguments and arguments[key].kind is not inspect.Parameter.VAR_KEYWORD:
-                raise OpenAIError(400, f"chat_template_kwargs may set the template's variables only, not {key!r}",
-                                  param=f"chat_template_kwargs.{key}")
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True, **(req.chat_template_kwargs or {}))
-        except Exception as err:  # a template's own error (jinja raises its own types)
-            raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def grammar(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
-        """The grammar the reply must follow (serve/constraints.py), or None; a 400 naming the field
-        whose schema xgrammar cannot build or would not enforce, or a forced tool_choice that names
-        no tool offered. Building a grammar may take long (a long regex: seconds): call it from a
-        thread, not the event loop."""
-        reasoning = self.reasoning_block(prompt_ids) if chat else "none"
-        spec, fmt = None, req.response_format
-        if fmt is not None and fmt.type != "text":
-            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-            if fmt.type == "json_schema" and schema is None:
-                raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
-                                  param="response_format.json_schema")
-            if fmt.type == "json_object" and fmt.json_schema is not None:
-                raise OpenAIError(400, "response_format of type json_object takes no json_schema (type json_schema "
-                                  "does)", param="response_format.json_schema")
-            spec = response_grammar(fmt.type, schema, reasoning)
-            checked(spec, "response_format.json_schema.schema", schema)
-        tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
-        if isinstance(choice, NamedToolChoice):
-            choice = choice.function.name
-            if choice not in {t.function.name for t in tools}:
-                raise OpenAIError(400, f"tool_choice names the function {choice!r}, which is not among the tools "
-                                  "of the request", param="tool_choice")
-        if choice == "required" and not tools:
-            raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-        calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
-                             choice, reasoning, parallel=chat and req.parallel_tool_calls is not False)
-        if calls is not None:
-            if spec is not None:
-                raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
-                                  "ask for one of them", param="response_format")
-            for i, tool in enumerate(tools):  # the tools the grammar holds
-                if tool.function.parameters is not None and choice in ("auto", "required", tool.function.name):
-                    checked(structural_tag(json_format(tool.function.parameters)), f"tools[{i}].function.parameters",
-                            tool.function.parameters)
-            spec = calls
-        return spec
-
     async def grammar_of(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
-        """grammar(), from a worker thread when there is a schema or tools to build a grammar of; a
+        """prompts.reply_grammar(), from a worker thread when there is a schema or tools to build a grammar of; a
         request without runs only its checks, on the loop (a thread's round trip per request
         would wait behind every stream's chunks at hundreds of streams)."""
         fmt, tools = req.response_format, chat and req.tools
+        reasoning = reasoning_block(self.tokenizer, prompt_ids) if chat else "none"
         if (fmt is not None and fmt.type != "text") or tools:
-            return await asyncio.to_thread(self.grammar, req, prompt_ids, chat)
-        return self.grammar(req, prompt_ids, chat)
-
-    def reasoning_block(self, prompt_ids: list[int]) -> str:
-        """How a chat prompt leaves the reply's reasoning block (serve/constraints.py reasoning_of):
-        "inside" (the prompt opened it), "first" (the model opens it) or "none"."""
-        return reasoning_of(self.tokenizer.chat_template, self.tokenizer.decode(prompt_ids[-8:]))
-
-    def reply_parser(self, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
-        """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
-        tags (starting inside it when the prompt ends by opening the think block, as templates of
-        thinking-only models do), and the calls of the request's tools unless tool_choice is none."""
-        splitter = None
-        if self.reasoning:
-            splitter = ReasoningSplitter(thinking=self.reasoning_block(prompt_ids) == "inside")
-        tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
-        return ReplyParser(splitter, tools)
+            return await asyncio.to_thread(reply_grammar, req, reasoning, chat)
+        return reply_grammar(req, reasoning, chat)
 
     def submit(self, request: EngineRequest, outputs: Outputs) -> int:
         """The request handed to the engine, open until close(); 429 past the queue bound, 503 once
@@ -435,53 +327,6 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
-async def arrivals(choices: list[Choice]):
-    """(choice, what arrived since its last output, merged) as the choices' outputs arrive, until
-    each has had its last. One choice (most requests) awaits its own outputs; several wait for the
-    first of a task each."""
-    if len(choices) == 1:
-        c = choices[0]
-        while True:
-            out = await c.outputs.take()
-            yield c, out
-            if out.finish_reason is not None:
-                return
-    waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
-    try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: waiting[t].index):
-                c, out = waiting.pop(task), task.result()
-                yield c, out
-                if out.finish_reason is None:
-                    waiting[asyncio.ensure_future(c.outputs.take())] = c
-    finally:
-        for task in waiting:
-            task.cancel()
-
-
-def checked(spec: str, where: str, schema) -> None:
-    """A 400 naming the field unless xgrammar can build the grammar of spec, and enforce its schema."""
-    try:
-        check_spec(spec)
-    except ValueError as err:
-        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {err}", param=where) from None
-    if (problem := unenforced(schema)) is not None:
-        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {problem}", param=where)
-
-
-def json_object(arguments: str, where: str) -> dict:
-    """A history's tool call arguments as the object the chat template writes, or a 400 naming it."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise OpenAIError(400, f"'{where}.function.arguments' must be a JSON object, got {arguments[:80]!r}",
-                          param=f"{where}.function.arguments")
-    return value
-
-
 def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: bool = True) -> FastAPI:
     """The app; its lifespan starts the engine's threads and stops the engine. reasoning: see Server."""
     server = Server(engine, tokenizer, model_name, reasoning)
@@ -499,6 +344,14 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
 
     app = FastAPI(title="qwen3-from-scratch", lifespan=lifespan)
     app.state.server = server
+    answer_errors_in_openai_shape(app)
+    add_routes(app, server, engine, tokenizer, model_name)
+    return app
+
+
+def answer_errors_in_openai_shape(app: FastAPI) -> None:
+    """Every error answered as {"error": {"message", "type", "param", "code"}}: the server's own,
+    Starlette's (an unknown path, a wrong method) and a bug's (a 500 that names the exception)."""
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, err: OpenAIError):
@@ -521,6 +374,16 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         return OpenAIError(500, f"Internal server error: {type(err).__name__}: {err}", type_="server_error").response()
+
+
+def add_routes(app: FastAPI, server: Server, engine: EngineProcess, tokenizer, model_name: str) -> None:
+    """The API's routes (the module docstring lists them): what the server serves, then generation."""
+    add_status_routes(app, server, engine, model_name)
+    add_generation_routes(app, server, engine, tokenizer, model_name)
+
+
+def add_status_routes(app: FastAPI, server: Server, engine: EngineProcess, model_name: str) -> None:
+    """/health, /metrics and the model list."""
 
     async def engine_stats() -> dict:
         """The engine's numbers (free_blocks, total_blocks, block_size, running, ...), or the
@@ -557,11 +420,17 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         server.check_model(name)
         return model_card()
 
+
+
+def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, tokenizer, model_name: str) -> None:
+    """/v1/completions and /v1/chat/completions: a request's body read (serve/prompts.py), handed to
+    the engine and answered (Server.run)."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await request.body())
         server.check_model(req.model)
-        ids = server.completion_prompt(req)
+        ids = completion_prompt(tokenizer, req)
         grammar = await server.grammar_of(req, ids, False)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
                                                logprobs=req.logprobs, grammar=grammar)
@@ -571,7 +440,7 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await request.body())
         server.check_model(req.model)
-        ids = server.chat_prompt(req)
+        ids = chat_prompt(tokenizer, model_name, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         if room < 1 and max_tokens is None:  # the prompt alone fills the context: the messages are too long
@@ -584,42 +453,5 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
         grammar = await server.grammar_of(req, ids, True)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
                                                logprobs=logprobs, grammar=grammar)
-        return await server.run(request, engine_request, req, [server.reply_parser(req, ids) for _ in range(req.n)])
-
-    return app
-
-
-class HTTPServer(uvicorn.Server):
-    """uvicorn's server with this server's ends (see the module docstring): signals drain it, a dead
-    engine ends it. `say` prints one line for the user; after run(), `status` is the exit status
-    and `death` how the engine died, if it did."""
-
-    def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout_s: float, say: Callable[[str], None]):
-        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                        timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_MARGIN_S))
-        self.state: Server = app.state.server
-        self.state.on_fatal = self.engine_died
-        self.shutdown_timeout_s, self.say = shutdown_timeout_s, say
-        self.stopping = False
-        self.status = 0
-        self.death: str | None = None
-
-    def handle_exit(self, sig: int, frame) -> None:
-        """uvicorn's signal handler (SIGINT, SIGTERM), in place of its own: the first drains, the
-        second exits at once. uvicorn's would also raise the signal again once it has stopped, and
-        a second Ctrl-C would end the process in tracebacks."""
-        name, n = signal.Signals(sig).name, len(self.state.open)
-        requests = f"{n} open request{'s' if n != 1 else ''}"
-        if self.stopping:
-            self.say(f"second {name}: stopped at once, {requests} cut off")
-            self.state.engine.kill()
-            os._exit(128 + sig)
-        self.stopping = True
-        self.say(f"{name}: shutting down; {requests} {'gets' if n == 1 else 'get'} up to {self.shutdown_timeout_s:g} s "
-                 f"to finish (a second {name} stops at once)")
-        self.should_exit = True
-        self.state.drain_soon(self.shutdown_timeout_s)
-
-    def engine_died(self, reason: str) -> None:  # the loop
-        self.status, self.death = 1, reason
-        self.should_exit = True
+        replies = [reply_parser(tokenizer, server.reasoning, req, ids) for _ in range(req.n)]
+        return await server.run(request, engine_request, req, replies)

@@ -1,0 +1,145 @@
+"""What a request asks of the engine, read from its body: the prompt's token ids (a completion's text
+or ids; a chat's messages and tools through the checkpoint's chat template), the grammar its reply
+must follow (response_format, a forced or strict tool call: serve/constraints.py), and what takes
+a chat reply apart (serve/reply.py). Every request the client got wrong is a 400 naming the field.
+"""
+
+import inspect
+import json
+
+from runtime.grammar import check_spec, structural_tag
+from runtime.reasoning import ReasoningSplitter
+
+from .constraints import json_format, reasoning_of, response_grammar, tool_grammar, unenforced
+from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields
+from .reply import ReplyParser
+
+
+def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
+    """A completion's prompt as token ids: its text through the tokenizer, or its ids."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise OpenAIError(400, f"One prompt per request, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return list(prompt)
+
+
+def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
+    """A chat request's messages (and tools) through the checkpoint's chat template, as token ids; a
+    400 naming the field for messages or template variables the template cannot take."""
+    if not tokenizer.chat_template:
+        raise OpenAIError(400, f"The model `{model_name}` has no chat template (a base model): use "
+                               "/v1/completions with a plain prompt", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
+            part.text for part in m.content)  # parts kept apart, as vLLM joins them
+        # OpenAI's developer role is the system role of reasoning models; Qwen3's templates know
+        # only system, and would drop the message.
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.name is not None:  # the template decides whether to show it (Qwen3's do not)
+            message["name"] = m.name
+        if m.tool_calls:  # the template writes the arguments as JSON: it takes them as an object
+            message["tool_calls"] = [{"type": "function", "id": call.id, "function": {
+                "name": call.function.name, "arguments": json_object(call.function.arguments,
+                                                                     f"messages[{i}].tool_calls[{j}]")}}
+                for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if (reasoning := m.reasoning_content if m.reasoning_content is not None else m.reasoning) is not None:
+            message["reasoning_content"] = reasoning
+        messages.append(message)
+    tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+    # The template's own variables only: apply_chat_template's arguments (the template, tools, the
+    # generation prompt...) are the server's to set.
+    arguments = inspect.signature(tokenizer.apply_chat_template).parameters
+    for key in req.chat_template_kwargs or {}:
+        if key in arguments and arguments[key].kind is not inspect.Parameter.VAR_KEYWORD:
+            raise OpenAIError(400, f"chat_template_kwargs may set the template's variables only, not {key!r}",
+                              param=f"chat_template_kwargs.{key}")
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+    except Exception as err:  # a template's own error (jinja raises its own types)
+        raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reply_grammar(req: SamplingFields, reasoning: str, chat: bool) -> str | None:
+    """The grammar the reply must follow (serve/constraints.py), or None; a 400 naming the field
+    whose schema xgrammar cannot build or would not enforce, or a forced tool_choice that names
+    no tool offered. Building a grammar may take long (a long regex: seconds): call it from a
+    thread, not the event loop. reasoning: the prompt's reasoning_block ("none" for a completion)."""
+    spec, fmt = None, req.response_format
+    if fmt is not None and fmt.type != "text":
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if fmt.type == "json_schema" and schema is None:
+            raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
+                              param="response_format.json_schema")
+        if fmt.type == "json_object" and fmt.json_schema is not None:
+            raise OpenAIError(400, "response_format of type json_object takes no json_schema (type json_schema "
+                              "does)", param="response_format.json_schema")
+        spec = response_grammar(fmt.type, schema, reasoning)
+        checked(spec, "response_format.json_schema.schema", schema)
+    tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+        if choice not in {t.function.name for t in tools}:
+            raise OpenAIError(400, f"tool_choice names the function {choice!r}, which is not among the tools "
+                              "of the request", param="tool_choice")
+    if choice == "required" and not tools:
+        raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+    calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
+                         choice, reasoning, parallel=chat and req.parallel_tool_calls is not False)
+    if calls is not None:
+        if spec is not None:
+            raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
+                              "ask for one of them", param="response_format")
+        for i, tool in enumerate(tools):  # the tools the grammar holds
+            if tool.function.parameters is not None and choice in ("auto", "required", tool.function.name):
+                checked(structural_tag(json_format(tool.function.parameters)), f"tools[{i}].function.parameters",
+                        tool.function.parameters)
+        spec = calls
+    return spec
+
+
+def reasoning_block(tokenizer, prompt_ids: list[int]) -> str:
+    """How a chat prompt leaves the reply's reasoning block (serve/constraints.py reasoning_of):
+    "inside" (the prompt opened it), "first" (the model opens it) or "none"."""
+    return reasoning_of(tokenizer.chat_template, tokenizer.decode(prompt_ids[-8:]))
+
+
+def reply_parser(tokenizer, reasoning: bool, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
+    """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
+    tags and `reasoning` is on (starting inside it when the prompt ends by opening the think block, as templates of
+    thinking-only models do), and the calls of the request's tools unless tool_choice is none."""
+    splitter = None
+    if reasoning:
+        splitter = ReasoningSplitter(thinking=reasoning_block(tokenizer, prompt_ids) == "inside")
+    tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
+    return ReplyParser(splitter, tools)
+
+
+def checked(spec: str, where: str, schema) -> None:
+    """A 400 naming the field unless xgrammar can build the grammar of spec, and enforce its schema."""
+    try:
+        check_spec(spec)
+    except ValueError as err:
+        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {err}", param=where) from None
+    if (problem := unenforced(schema)) is not None:
+        raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {problem}", param=where)
+
+
+def json_object(arguments: str, where: str) -> dict:
+    """A history's tool call arguments as the object the chat template writes, or a 400 naming it."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, f"'{where}.function.arguments' must be a JSON object, got {arguments[:80]!r}",
+                          param=f"{where}.function.arguments")
+    return value
