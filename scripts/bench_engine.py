@@ -33,7 +33,7 @@ from bench_serve import sampling_settings  # noqa: E402
 from runtime.sampling import SamplingParams  # noqa: E402
 from serve.engine import Engine, Request  # noqa: E402
 
-PHASES = ("_admit", "_launch_decode", "_accept_step")
+PHASES = ("_launch_prefills", "_launch_decode", "_accept_step")
 
 
 def timed_phases(engine: Engine, phases: tuple[str, ...] = PHASES) -> dict[str, float]:

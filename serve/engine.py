@@ -3,12 +3,9 @@
 Requests join and leave the running batch between decode steps. Each engine step:
 1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
    blocks return to the cache at once;
-2. prefills up to prefill_tokens prompt tokens (chunked prefill): the next chunks of prompts
-   admitted earlier, then waiting requests, oldest first, admitted while the batch has room and
-   the cache has blocks for them, each starting after the longest prefix of it that the cache
-   holds (prefix caching: runtime/blocks.py); the chunks are packed into one forward (on CUDA
-   from the CUDA graph of its token-count bucket), and the chunk that ends a prompt samples its
-   first token on the device;
+2. launches the prefills that the scheduler chooses (serve/scheduler.py: admission with prefix
+   caching, chunked prefill, growth and preemption), packed into as few forwards as the prefill
+   graphs hold; the chunk that ends a prompt samples its first token on the device;
 3. launches one decode step over the running sequences that have tokens left to make, the ones
    just prefilled included (one token per row, rows of different lengths, keys read through
    each row's block table), each row sampled on the device with its own parameters, its token
@@ -22,10 +19,7 @@ detokenizing, an output) overlaps the GPU's next prefills and decode step instea
 GPU idle: nothing in a step waits for the GPU except the reading of the step before. A sequence
 that a stop token ends has one more decode step launched whose token is dropped (two when the
 prefill gave the stop token) and keeps its blocks until that is known; max_tokens is known in
-advance and never overshoots. A sequence is admitted with a block for its next token too, and a
-preempted one is not prefilled again while a token of its is in flight, so a sequence's tokens
-are read in order, once. Freed blocks can be handed out at once: every step runs on one CUDA
-stream, so a block's next owner writes it after the in-flight step that may still write it.
+advance and never overshoots. Admission and preemption keep a sequence's tokens in order.
 
 Constrained decoding (a request's `grammar`: runtime/grammar.py): its sequence's mask of allowed
 tokens is written before each of its steps' choice, and the step chooses among them. The mask
@@ -33,31 +27,10 @@ needs the token before, known on the host only once the step before has run: so 
 with constrained rows launches its forward first, then waits for the previous step's tokens,
 hands the constrained sequences' to their grammars and writes their masks (xgrammar's threads)
 while the GPU runs that forward, then launches the choice (as SGLang overlaps grammars). A
-constrained sequence whose prefill has just launched joins the decode steps one step later. Its
-grammar compiles in a worker thread while it waits (the requests behind it are admitted
-meanwhile); it is admitted once that is done.
+constrained sequence whose prefill has just launched joins the decode steps one step later.
 
-Prefix caching: every full block of a sequence (its prompt's, and its generated tokens') is
-registered under the hash chain of its tokens once they are written, and stays cached when the
-sequence ends, until a new block is needed and no free one is left (least recently freed first).
-A prompt's prefill starts after its longest cached prefix (always leaving its last token to
-compute); the blocks found are shared by reference count and never written: the sequence's new
-tokens go to blocks of its own.
-
-A sequence gets a block when its next token starts one. When none is free, the sequence
-admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
-prefilled again from its prompt and the tokens it had (vLLM's recompute preemption). A request
-is accepted only if it fits the whole cache alone, so the oldest sequence always progresses:
-running out of blocks makes requests wait, never corrupts or drops them.
-
-On CUDA the decode step is replayed from a CUDA graph per batch-size bucket (the batch padded to
-the bucket's size, padding rows writing to the scratch slot), a greedy and a sampling graph
-captured at start, largest first, in one memory pool, as nano-vllm does (a graph of the reference
-sampler the first time a request needs it: a top-k of 128 or more with top-p, on the fused path).
-A step's chunks are packed back to back into one forward (each attending to its own sequence's
-keys), replayed from the graph of its token-count bucket the same way, up to PREFILL_GRAPH_TOKENS
-tokens. The CPU runs both eagerly; the CPU tests exercise the eager paths,
-the graphed ones run on a GPU only.
+On CUDA both forwards replay CUDA graphs of batch-size and token-count buckets (serve/steps.py);
+the CPU runs them eagerly: the CPU tests exercise the eager paths, the graphed ones need a GPU.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
 serve/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
@@ -78,7 +51,6 @@ from dataclasses import dataclass
 import torch
 
 from ops import resolve_kernels
-from runtime.blocks import block_keys
 from runtime.cache import PagedKVCache
 from runtime.generate import resolve_eos
 from runtime.grammar import Grammars
@@ -89,21 +61,11 @@ from runtime.text import TextStream
 
 from . import steps
 from .request import Limits, Output, QueueFull, Request, check_request
+from .scheduler import PREFILL_TOKENS, Chunk, Scheduler
 from .sequence import Sequence
 from .steps import DecodeStep, PrefillStep
 
 __all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "QueueFull", "Request", "check_request"]
-
-# Prompt tokens prefilled per engine step by default (a longer prompt alone): the prompts of a
-# burst get their first tokens a step's worth at a time instead of all at the end of one long
-# prefill. More per step takes a burst into the batch in fewer steps (fewer decode steps run
-# part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
-PREFILL_TOKENS = 8192
-# What a step waits at most for the grammar of the request at the head of the queue: a grammar in
-# xgrammar's cache is ready within it (runtime/grammar.py Matcher.ready); a new one takes a few
-# steps of this (milliseconds to compile), while the running sequences go on.
-GRAMMAR_WAIT_S = 0.0005
-
 
 @dataclass
 class LaunchedStep:
@@ -125,14 +87,10 @@ class Engine:
     max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
         max_batch + max_waiting requests are already in (running or waiting).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
-    prefill_tokens: the prefill work per step, in prompt tokens, packed into one forward (on CUDA,
-        into as few as the prefill graphs hold); a longer prompt is prefilled in chunks, one a step
-        beside the running sequences' decode steps (chunked prefill). A token's attention to the
-        tokens before it counts too (attention_cost per key, default from the model's shape:
-        serve/steps.py chunk_tokens), so that a chunk deep in a long prompt is shorter and every
-        step's prefill takes about the same time; 0: tokens alone.
-    prefix_cache: keep the full blocks of every sequence, found again by their tokens: a prompt
-        that starts as an earlier one did skips the prefill of that prefix (runtime/blocks.py).
+    prefill_tokens, attention_cost, prefix_cache: the scheduler's (serve/scheduler.py): the prompt
+        tokens prefilled per step (chunked prefill), what a key that a token attends to costs beside
+        the token (default from the model's shape; 0: tokens alone), whether prompts skip the
+        prefill of their prefixes that the cache holds.
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
@@ -142,20 +100,17 @@ class Engine:
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
-        self.prefill_tokens = prefill_tokens
-        self.attention_cost = steps.attention_cost(model.config) if attention_cost is None else attention_cost
         config = model.config
         self.device = model.lm_head.weight.device
         self.max_len = config.max_position_embeddings
-        self.table_width = -(-self.max_len // block_size)  # blocks a sequence can own
+        table_width = -(-self.max_len // block_size)  # blocks a sequence can own
         if n_blocks is None:
             n_blocks = max_batch * -(-min(self.max_len, 2048) // block_size)
         self.cache = PagedKVCache.for_model(model, n_blocks, block_size)
-        # Each running sequence owns a row of this host-side table, written a block at a time as the
-        # sequence grows: a decode step gathers its rows' first columns, never rebuilds the table.
-        self.block_rows = torch.zeros(max_batch, self.table_width, dtype=torch.long)
-        self._free_rows = list(range(max_batch - 1, -1, -1))
         self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.attention_cost = steps.attention_cost(config) if attention_cost is None else attention_cost
+        self.scheduler = Scheduler(self.cache, max_batch, table_width, prefill_tokens=prefill_tokens,
+                                   attention_cost=self.attention_cost, prefix_cache=prefix_cache)
         gen_config = getattr(model, "generation_config", {}) or {}
         eos = set(resolve_eos(None, gen_config, config))
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -168,26 +123,32 @@ class Engine:
         # device, without a trip through the host. Their last row is scratch, for padding rows.
         self.sampler = Sampler(max_batch, config.vocab_size, self.device)
         self.last_token = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
-        self.decode = DecodeStep(model, self.cache, self.sampler, self.last_token, max_batch, self.table_width,
+        self.decode = DecodeStep(model, self.cache, self.sampler, self.last_token, max_batch, table_width,
                                  cuda_graph, self.fused)
-        self.prefill = PrefillStep(model, self.cache, self.table_width, cuda_graph, extend_graph=self.fused)
-        self.prefix_cache = prefix_cache
+        self.prefill = PrefillStep(model, self.cache, table_width, cuda_graph, extend_graph=self.fused)
         self.grammars: Grammars | None = None  # made with the first constrained request
-        self.prompt_tokens = 0  # prompt tokens of every admission (a preempted sequence's each time)
-        self.hit_tokens = 0  # of those, the ones found in the cache (prefix caching)
 
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: preemption takes from the end
         self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) | ("cancel", id)
         self._lock = threading.Lock()
         self._in_flight = 0  # submitted and not finished: the queue bound counts these
-        self.preemptions = 0
         self.peak_running = 0  # the largest batch decoded so far
         # Prefills and decode steps launched whose tokens are not read yet, in launch order (a
         # sequence's prefill before its first decode step).
         self.in_flight: list[LaunchedStep] = []
+
+    @property  # the scheduler's state (serve/scheduler.py), as callers read it
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
 
     # ---- any thread -------------------------------------------------------------------------
 
@@ -202,10 +163,7 @@ class Engine:
 
     def prefix_stats(self) -> dict:
         """What the prefix cache holds and how often it was hit (for /health)."""
-        free, cached, in_use = self.cache.pool.counts()
-        rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        return {"enabled": self.prefix_cache, "free_blocks": free, "cached_blocks": cached, "used_blocks": in_use,
-                "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": round(rate, 4)}
+        return self.scheduler.prefix_stats()
 
     def check(self, request: Request) -> None:
         """ValueError naming the numbers unless the request can ever run."""
@@ -288,7 +246,7 @@ class Engine:
                 self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos))
             seq.matcher = self.grammars.matcher(seq.request.grammar)
         self.sequences[seq.id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -302,56 +260,19 @@ class Engine:
                 self._finish(self.sequences[item], "cancelled")
 
     def _launch_prefills(self) -> None:
-        """Prefill up to prefill_tokens prompt tokens: first the next chunks of sequences admitted
-        earlier, oldest first, then waiting sequences, oldest first, admitted while the batch has
-        room and the cache has blocks for them (keeping one per running sequence for its next
-        token), each starting after the longest prefix of it that the cache holds. A sequence whose
-        next uncached block is one that a sequence prefilled in this step computes waits a step,
-        and then finds it cached: a burst of prompts with one system prompt (n choices of one
-        prompt) prefills it once."""
-        budget = float(self.prefill_tokens)
-        chunks: list[tuple[Sequence, int]] = []
-        computing: set[bytes] = set()  # the key of the first uncached block of each sequence prefilled now
-
-        def take(seq: Sequence) -> None:
-            nonlocal budget
-            n = steps.chunk_tokens(budget, seq.cached, len(seq.ids) - seq.cached, self.attention_cost)
-            budget -= steps.chunk_cost(seq.cached, n, self.attention_cost)
-            chunks.append((seq, n))
-            if (key := self._next_key(seq)) is not None:
-                computing.add(key)
-
-        for seq in self.running:
-            if budget > 0 and seq.prefilling:
-                take(seq)
-        compiling = 0  # requests at the head of the queue whose grammars compile: the ones behind go first
-        while budget > 0 and len(self.waiting) > compiling and len(self.running) < self.max_batch:
-            seq = self.waiting[compiling]
-            if seq.matcher is not None and not self._grammar_ready(seq, GRAMMAR_WAIT_S if not compiling else 0):
-                compiling += seq.finish_reason is None  # else it failed, and has left the queue
-                continue
-            if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
-                break
-            if self.prefix_cache and self._next_key(seq, lookup=True) in computing:
-                break
-            if not self._admit(seq, compiling):
-                break
-            take(seq)
-        # Packed into as few forwards as the graphs allow (on the CPU, one), shortest first.
-        from_start = all(seq.cached == 0 for seq, _ in chunks)
-        packs: list[list[tuple[Sequence, int]]] = []
-        pack_tokens = 0  # in the last pack
-        for chunk in sorted(chunks, key=lambda c: c[1]):
-            joins = packs and (not self.prefill.runners[from_start].capture
-                               or self.prefill.fits(pack_tokens + chunk[1], len(packs[-1]) + 1, from_start))
-            if joins:
-                packs[-1].append(chunk)
-                pack_tokens += chunk[1]
-            else:
-                packs.append([chunk])
-                pack_tokens = chunk[1]
-        for pack in packs:
+        """Launch the prefills that the scheduler chooses for this step (Scheduler.prefills), a
+        forward a pack, once the sequences it admitted have their sampling rows."""
+        prefills = self.scheduler.prefills(self._grammar_ready, self._one_forward)
+        for seq in prefills.admitted:
+            # Its stream continues where it was (a preempted sequence's too): its step is its tokens so far.
+            self.sampler.set_row(seq.row, seq.request.params, seq.seed, seq.ids, step=seq.n_generated)
+        for pack in prefills.packs:
             self._prefill(pack)
+
+    def _one_forward(self, n_tokens: int, n_sequences: int, from_start: bool) -> bool:
+        """Whether a pack of n_sequences chunks of n_tokens in all is prefilled in one forward: an
+        eager prefill takes any pack (on the CPU, every one), a graphed one those its graphs hold."""
+        return not self.prefill.runners[from_start].capture or self.prefill.fits(n_tokens, n_sequences, from_start)
 
     def _match(self, launched_steps: list[LaunchedStep]) -> None:
         """Hand the tokens of the launched steps to the grammars of their constrained sequences
@@ -381,44 +302,17 @@ class Engine:
             return False
         return True
 
-    def _admit(self, seq: Sequence, place: int = 0) -> bool:
-        """Give the sequence at `place` in the queue (the head, but for requests whose grammars
-        compile) a row, and blocks for its tokens and the next one's position (so that it is not
-        preempted before its prefill's token has been read): the cached blocks of its prefix,
-        shared, and new ones for the rest. False if they do not fit."""
-        bs = self.cache.block_size
-        hits = []
-        if self.prefix_cache:  # at least its last token is computed: its logits give the next token
-            hits = self.cache.pool.lookup(self._keys(seq, (len(seq.ids) - 1) // bs))
-        need = self.cache.blocks_for(len(seq.ids) + 1) - len(hits)
-        if self.cache.num_free - self.cache.pool.cached_among(hits) - need < len(self.running):
-            return False
-        del self.waiting[place]
-        self.cache.pool.share(hits)
-        seq.blocks = hits + self.cache.allocate(need)
-        seq.registered = len(hits)
-        seq.cached = len(hits) * bs
-        self.prompt_tokens += len(seq.ids)
-        self.hit_tokens += seq.cached
-        seq.row = self._free_rows.pop()
-        self.block_rows[seq.row, : len(seq.blocks)] = torch.tensor(seq.blocks)
-        # Its stream continues where it was (a preempted sequence's too): its step is its tokens so far.
-        self.sampler.set_row(seq.row, seq.request.params, seq.seed, seq.ids, step=seq.n_generated)
-        self.running.append(seq)
-        return True
-
-    def _prefill(self, pack: list[tuple[Sequence, int]]) -> None:
+    def _prefill(self, pack: list[Chunk]) -> None:
         """The next n tokens of each sequence (a preempted one's generated tokens too), after those
         in the cache, packed into one forward; the logits of the last token of each sequence whose
         tokens are then all in the cache give its next token."""
         seqs = [seq for seq, _ in pack]
-        width = max(len(s.blocks) for s in seqs)
-        table = self._on_device(self.block_rows[torch.tensor([s.row for s in seqs]), :width])
+        table = self._on_device(self.scheduler.block_table(seqs))
         logits = self.prefill([(seq.ids[seq.cached : seq.cached + n], seq.cached) for seq, n in pack], table)
         done = []
         for i, (seq, n) in enumerate(pack):
             seq.cached += n
-            self._register_blocks(seq)
+            self.scheduler.register_blocks(seq)
             if not seq.prefilling:
                 done.append(i)
         if not done:
@@ -433,80 +327,27 @@ class Engine:
         self.last_token[rows] = tokens
         self._send_back(finished, tokens, token_logprobs(logits, tokens) if self._logprobs(finished) else None)
 
-    def _register_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's blocks whose tokens are all known and written (launched: a later
-        step that reads them runs after the one that writes them, on the same stream)."""
-        if not self.prefix_cache:
-            return
-        full = min(seq.cached, len(seq.ids)) // self.cache.block_size
-        if full > seq.registered:
-            for block, key in zip(seq.blocks[seq.registered : full], self._keys(seq, full)[seq.registered :]):
-                self.cache.pool.register(block, key)
-            seq.registered = full
-
-    def _next_key(self, seq: Sequence, lookup: bool = False) -> bytes | None:
-        """The key of the sequence's first full prompt block that is not cached (its own registered
-        ones, or with `lookup` the cache's), None if there is none or prefix caching is off."""
-        if not self.prefix_cache:
-            return None
-        keys = self._keys(seq, (len(seq.ids) - 1) // self.cache.block_size)
-        known = len(self.cache.pool.lookup(keys)) if lookup else seq.registered
-        return keys[known] if known < len(keys) else None
-
-    def _keys(self, seq: Sequence, n: int) -> list[bytes]:
-        """The keys of the sequence's first n full blocks (computed once: its ids only grow)."""
-        if n > len(seq.keys):
-            before = seq.keys[-1] if seq.keys else b""
-            seq.keys += block_keys(seq.ids, self.cache.block_size, n, len(seq.keys), before)
-        return seq.keys[:n]
-
-    def _grow(self) -> None:
-        """Give every running sequence that will be launched a block for the position its next
-        token is written to, preempting the sequences admitted last when none is free."""
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
-            done = seq.n_launched >= seq.request.max_tokens  # its last token is in flight
-            if done or seq.cached // self.cache.block_size < len(seq.blocks):
-                i += 1
-                continue
-            block = self.cache.allocate(1)
-            if block is not None:
-                self.block_rows[seq.row, len(seq.blocks)] = block[0]
-                seq.blocks += block
-                i += 1
-                continue
-            victim = self.running.pop()  # the latest admitted: maybe seq itself
-            self.cache.release(victim.blocks)
-            self._free_rows.append(victim.row)
-            victim.blocks, victim.cached, victim.row, victim.registered = [], 0, -1, 0
-            self.waiting.appendleft(victim)
-            self.preemptions += 1
-
     def _launch_decode(self, previous: list[LaunchedStep]) -> None:
         """Launch a decode step over the running sequences that have tokens left to make (a
         sequence whose last token is still in flight counts it), if there are any. A constrained
         sequence whose last token is one this step's prefills make waits a step (its mask needs
         it); the others' masks are written once the forward is launched, from the tokens of the
         previous steps."""
-        self._grow()
+        self.scheduler.grow()
         prefilled = {s for launched in self.in_flight for s in launched.seqs}  # in this step
         seqs = [s for s in self.running if not s.prefilling and s.n_launched < s.request.max_tokens
                 and not (s.matcher is not None and (s in prefilled or s.matcher.terminated))]
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))
-        rows = torch.tensor([s.row for s in seqs])
-        positions = self._on_device([s.cached for s in seqs])
-        width = max(len(s.blocks) for s in seqs)  # blocks in use: the kernel reads no further
+        rows, positions = self._on_device([s.row for s in seqs]), self._on_device([s.cached for s in seqs])
         masks = None
         if any(s.matcher is not None for s in seqs):
             def masks() -> None:
                 self._match(previous)
                 self._allow(seqs)
-        tokens, logprobs = self.decode(self._on_device(rows), positions,
-                                       self._on_device(self.block_rows[rows, :width]), self._how(seqs),
-                                       self._logprobs(seqs), masks)
+        tokens, logprobs = self.decode(rows, positions, self._on_device(self.scheduler.block_table(seqs)),
+                                       self._how(seqs), self._logprobs(seqs), masks)
         for s in seqs:
             s.cached += 1
         self._send_back(seqs, tokens, logprobs)
@@ -571,7 +412,7 @@ class Engine:
     def _accept(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         """Append a sampled token, apply the stops, hand out the new text."""
         seq.ids.append(token)
-        self._register_blocks(seq)
+        self.scheduler.register_blocks(seq)
         reason = seq.read(token)
         if seq.matcher is not None:  # its grammar has taken the token (_match, before this)
             if seq.matcher.rejected:  # masked out: a bug, never the request's fault
@@ -588,15 +429,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, token: int | None = None,
                 logprobs: list[TokenLogprobs] | None = None) -> None:
         """End a sequence: free its blocks at once (its registered ones stay cached), take it out of
-        the batch, send the rest of its text."""
-        self.cache.release(seq.blocks)
-        seq.blocks, seq.registered = [], 0
-        if seq in self.running:
-            self.running.remove(seq)
-            self._free_rows.append(seq.row)
-            seq.row = -1
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        the batch or the queue, send the rest of its text."""
+        self.scheduler.release(seq)
         self.sequences.pop(seq.id, None)
         with self._lock:
             self._in_flight -= 1

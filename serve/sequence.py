@@ -20,7 +20,7 @@ class Sequence:
     seed: int  # the request's, else one of its own: its tokens come from this stream alone
     stream: TextStream | None
     blocks: list[int] = field(default_factory=list)
-    row: int = -1  # while running: its row of the engine's block table (see Engine.block_rows)
+    row: int = -1  # while running: its row of the scheduler's block table (Scheduler.block_rows)
     cached: int = 0  # positions [0, cached) are in the cache
     text: str = ""  # generated text decoded so far
     sent: int = 0  # characters of text already handed out
