@@ -87,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load(config: str | None, device: torch.device) -> Qwen3ForCausalLM:
     """Random bf16 weights of architecture `config` (bench_generate.py's), or the shipped model in fp32."""
     if config:
-        from bench_generate import build  # scripts/ is on the path of a script run
+        from bench_models import build  # scripts/ is on the path of a script run
 
         _, model = build(config, device, torch.bfloat16, "auto")
         return model

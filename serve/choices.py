@@ -1,6 +1,8 @@
 """One choice of a response (a request asks for `n`): its sequence in the engine, its outputs, and
-how they are written in OpenAI's shapes, whole (`message` / `text`) or as a stream's deltas."""
+how they are written in OpenAI's shapes, whole (`message` / `text`) or as a stream's deltas; and
+`arrivals`, a response's choices' outputs as they come."""
 
+import asyncio
 from dataclasses import dataclass
 
 from runtime.logprobs import TokenLogprobs
@@ -110,3 +112,28 @@ class Choice:
                 choice["prompt_token_ids"] = self.prompt_ids
         self.first = False
         return choice
+
+
+async def arrivals(choices: list[Choice]):
+    """(choice, what arrived since its last output, merged) as the choices' outputs arrive, until
+    each has had its last. One choice (most requests) awaits its own outputs; several wait for the
+    first of a task each."""
+    if len(choices) == 1:
+        c = choices[0]
+        while True:
+            out = await c.outputs.take()
+            yield c, out
+            if out.finish_reason is not None:
+                return
+    waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: waiting[t].index):
+                c, out = waiting.pop(task), task.result()
+                yield c, out
+                if out.finish_reason is None:
+                    waiting[asyncio.ensure_future(c.outputs.take())] = c
+    finally:
+        for task in waiting:
+            task.cancel()

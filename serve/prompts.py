@@ -62,17 +62,17 @@ def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
                               param=f"chat_template_kwargs.{key}")
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=True, **(req.chat_template_kwargs or {}))
+                                             add_generation_prompt=True, **(req.chat_template_kwargs or {}))
     except Exception as err:  # a template's own error (jinja raises its own types)
         raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def reply_grammar(req: SamplingFields, reasoning: str, chat: bool) -> str | None:
+def reply_grammar(req: SamplingFields, block: str, chat: bool) -> str | None:
     """The grammar the reply must follow (serve/constraints.py), or None; a 400 naming the field
     whose schema xgrammar cannot build or would not enforce, or a forced tool_choice that names
     no tool offered. Building a grammar may take long (a long regex: seconds): call it from a
-    thread, not the event loop. reasoning: the prompt's reasoning_block ("none" for a completion)."""
+    thread, not the event loop. block: the prompt's reasoning_block ("none" for a completion)."""
     spec, fmt = None, req.response_format
     if fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
@@ -82,7 +82,7 @@ def reply_grammar(req: SamplingFields, reasoning: str, chat: bool) -> str | None
         if fmt.type == "json_object" and fmt.json_schema is not None:
             raise OpenAIError(400, "response_format of type json_object takes no json_schema (type json_schema "
                               "does)", param="response_format.json_schema")
-        spec = response_grammar(fmt.type, schema, reasoning)
+        spec = response_grammar(fmt.type, schema, block)
         checked(spec, "response_format.json_schema.schema", schema)
     tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
     if isinstance(choice, NamedToolChoice):
@@ -93,7 +93,7 @@ def reply_grammar(req: SamplingFields, reasoning: str, chat: bool) -> str | None
     if choice == "required" and not tools:
         raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
     calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
-                         choice, reasoning, parallel=chat and req.parallel_tool_calls is not False)
+                         choice, block, parallel=chat and req.parallel_tool_calls is not False)
     if calls is not None:
         if spec is not None:
             raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
@@ -112,13 +112,14 @@ def reasoning_block(tokenizer, prompt_ids: list[int]) -> str:
     return reasoning_of(tokenizer.chat_template, tokenizer.decode(prompt_ids[-8:]))
 
 
-def reply_parser(tokenizer, reasoning: bool, req: ChatRequest, prompt_ids: list[int]) -> ReplyParser:
-    """What takes a chat reply apart (serve/reply.py): its reasoning where the template has think
-    tags and `reasoning` is on (starting inside it when the prompt ends by opening the think block, as templates of
-    thinking-only models do), and the calls of the request's tools unless tool_choice is none."""
+def reply_parser(split_reasoning: bool, block: str, req: ChatRequest) -> ReplyParser:
+    """What takes a chat reply apart (serve/reply.py): with split_reasoning, its reasoning (starting
+    inside it when the prompt's reasoning `block` is "inside": the prompt opened the think block,
+    as templates of thinking-only models do), and the calls of the request's tools unless
+    tool_choice is none."""
     splitter = None
-    if reasoning:
-        splitter = ReasoningSplitter(thinking=reasoning_block(tokenizer, prompt_ids) == "inside")
+    if split_reasoning:
+        splitter = ReasoningSplitter(thinking=block == "inside")
     tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
     return ReplyParser(splitter, tools)
 

@@ -64,8 +64,7 @@ def check_request(request: Request, limits: Limits) -> None:
     if k is not None and not (type(k) is int and 0 <= k <= MAX_LOGPROBS):
         raise ParameterError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
     ids = request.prompt_ids  # checked on the server's event loop for every request: C loops, not a genexpr
-    ints = all(map(isinstance, ids, itertools.repeat(int)))
-    if ids and not (ints and 0 <= min(ids) and max(ids) < limits.vocab_size):
+    if not (all(map(isinstance, ids, itertools.repeat(int))) and 0 <= min(ids) and max(ids) < limits.vocab_size):
         raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
     blocks = -(-(n + request.max_tokens) // limits.block_size)
     if blocks > limits.n_blocks:

@@ -50,14 +50,13 @@ Choices made here:
 """
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -68,7 +67,7 @@ from runtime.reasoning import OPEN
 from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
-from .choices import Choice, LogprobsWriter
+from .choices import Choice, LogprobsWriter, arrivals
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
@@ -76,7 +75,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prompts import chat_prompt, completion_prompt, reasoning_block, reply_grammar, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
-from .streams import EventStream, Outbox, Outputs, arrivals, event
+from .streams import EventStream, Outbox, Outputs, event
 
 # The thread that receives the engine's outputs and the event loop share the GIL. The receiver
 # waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
@@ -176,15 +175,14 @@ class Server:
             raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from None
         return request
 
-    async def grammar_of(self, req: SamplingFields, prompt_ids: list[int], chat: bool) -> str | None:
-        """prompts.reply_grammar(), from a worker thread when there is a schema or tools to build a grammar of; a
-        request without runs only its checks, on the loop (a thread's round trip per request
-        would wait behind every stream's chunks at hundreds of streams)."""
+    async def grammar_of(self, req: SamplingFields, block: str, chat: bool) -> str | None:
+        """prompts.reply_grammar(), from a worker thread when there is a schema or tools to build a
+        grammar of; a request without runs only its checks, on the loop (a thread's round trip per
+        request would wait behind every stream's chunks at hundreds of streams)."""
         fmt, tools = req.response_format, chat and req.tools
-        reasoning = reasoning_block(self.tokenizer, prompt_ids) if chat else "none"
         if (fmt is not None and fmt.type != "text") or tools:
-            return await asyncio.to_thread(reply_grammar, req, reasoning, chat)
-        return reply_grammar(req, reasoning, chat)
+            return await asyncio.to_thread(reply_grammar, req, block, chat)
+        return reply_grammar(req, block, chat)
 
     def submit(self, request: EngineRequest, outputs: Outputs) -> int:
         """The request handed to the engine, open until close(); 429 past the queue bound, 503 once
@@ -309,7 +307,7 @@ class Server:
             for c in choices:
                 yield chunk(c.role())
         last: list[Output] = []
-        async with contextlib.aclosing(arrivals(choices)) as news:
+        async with aclosing(arrivals(choices)) as news:
             async for c, out in news:
                 if (error := self.failure(c.outputs, out)) is not None:
                     if out.text:
@@ -421,7 +419,6 @@ def add_status_routes(app: FastAPI, server: Server, engine: EngineProcess, model
         return model_card()
 
 
-
 def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, tokenizer, model_name: str) -> None:
     """/v1/completions and /v1/chat/completions: a request's body read (serve/prompts.py), handed to
     the engine and answered (Server.run)."""
@@ -431,7 +428,7 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
         req = parse(CompletionRequest, await request.body())
         server.check_model(req.model)
         ids = completion_prompt(tokenizer, req)
-        grammar = await server.grammar_of(req, ids, False)
+        grammar = await server.grammar_of(req, "none", False)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
                                                logprobs=req.logprobs, grammar=grammar)
         return await server.run(request, engine_request, req)
@@ -450,8 +447,9 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
         if req.top_logprobs and not req.logprobs:  # as OpenAI refuses it
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        grammar = await server.grammar_of(req, ids, True)
+        block = reasoning_block(tokenizer, ids)
+        grammar = await server.grammar_of(req, block, True)
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
                                                logprobs=logprobs, grammar=grammar)
-        replies = [reply_parser(tokenizer, server.reasoning, req, ids) for _ in range(req.n)]
+        replies = [reply_parser(server.reasoning, block, req) for _ in range(req.n)]
         return await server.run(request, engine_request, req, replies)

@@ -170,7 +170,8 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     """Pack sizes with a captured prefill graph: 16, 24, 32, 48, 64, ... (powers of two and 1.5
     times them: a short pack is padded by less than half) up to 2,048, then every 512 tokens up to
     max_tokens: a step's pack is its budget's worth of tokens, a few percent under the largest
-    bucket whatever the prompts' lengths, and each padding token costs a real token's matmuls."""
+    bucket whatever the prompts' lengths, and each padding token costs a real token's matmuls.
+    27 sizes up to 8,192, each captured at start for both kinds of pack (PrefillStep)."""
     sizes, n = [], 16
     while n < min(max_tokens, FINE_BUCKETS_FROM):
         sizes += [n, n * 3 // 2]

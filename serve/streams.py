@@ -1,22 +1,18 @@
 """How a request's outputs travel from the engine's receiving thread to its HTTP response: each
-request's `Outputs` (merged when they arrive faster than the loop takes them), `arrivals` of a
-response's choices' outputs, the `Outbox` that wakes the event loop once per burst, and
-`EventStream`, the server-sent events response that closes its request when the client goes away."""
+request's `Outputs` (merged when they arrive faster than the loop takes them), the `Outbox` that
+wakes the event loop once per burst, and `EventStream`, the server-sent events response that
+closes its request when the client goes away."""
 
 import asyncio
 import json
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
-from .engine import Output
 from .protocol import OpenAIError
-
-if TYPE_CHECKING:  # serve/choices.py imports this module
-    from .choices import Choice
+from .request import Output
 
 
 class Outputs:
@@ -52,31 +48,6 @@ class Outputs:
                 logprobs += last.logprobs or []
         self.done = last.finish_reason is not None
         return Output("".join(text), tokens, last.finish_reason, last.prompt_tokens, last.completion_tokens, logprobs)
-
-
-async def arrivals(choices: list["Choice"]):
-    """(choice, what arrived since its last output, merged) as the choices' outputs arrive, until
-    each has had its last. One choice (most requests) awaits its own outputs; several wait for the
-    first of a task each."""
-    if len(choices) == 1:
-        c = choices[0]
-        while True:
-            out = await c.outputs.take()
-            yield c, out
-            if out.finish_reason is not None:
-                return
-    waiting = {asyncio.ensure_future(c.outputs.take()): c for c in choices}
-    try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            for task in sorted(done, key=lambda t: waiting[t].index):
-                c, out = waiting.pop(task), task.result()
-                yield c, out
-                if out.finish_reason is None:
-                    waiting[asyncio.ensure_future(c.outputs.take())] = c
-    finally:
-        for task in waiting:
-            task.cancel()
 
 
 class Outbox:

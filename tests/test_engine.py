@@ -244,6 +244,10 @@ def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model)
         engine.check(Request([1] * 30, 6))
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.check(Request([], 6))
+    vocab = model.config.vocab_size
+    for ids in ([1, vocab], [-1, 2], [1.0, 2], torch.tensor([1, 2])):  # a tensor: its elements are not ints
+        with pytest.raises(ValueError, match=rf"prompt token ids must be integers in \[0, {vocab}\)"):
+            engine.check(Request(ids, 4))
     with pytest.raises(ValueError, match="seed must be an integer in"):  # refused before it takes a queue place
         engine.submit(Request([1, 2], 4, seed=2**64))
     engine.submit(Request([1, 2], 4))  # one runs
