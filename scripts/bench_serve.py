@@ -100,10 +100,15 @@ def random_checkpoint(name: str, directory: Path) -> Path:
     return directory
 
 
-def start_server(model_dir: Path, args, max_batch: int, log: Path):
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, args, max_batch: int, log: Path):
+    port = free_port()
     cmd = [sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", str(model_dir), "--port", str(port),
            "--max-batch", str(max_batch), "--max-waiting", str(4 * max_batch), *args.server_args.split()]
     if args.device:
