@@ -4,15 +4,33 @@ must follow (response_format, a forced or strict tool call: serve/constraints.py
 a chat reply apart (serve/reply.py). Every request the client got wrong is a 400 naming the field.
 """
 
+import asyncio
+import functools
 import inspect
 import json
+from collections.abc import Callable
+
+import jinja2
+import jinja2.meta
 
 from runtime.grammar import check_spec, structural_tag
 from runtime.reasoning import ReasoningSplitter
 
 from .constraints import json_format, reasoning_of, response_grammar, tool_grammar, unenforced
-from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields
+from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields, short
 from .reply import ReplyParser
+
+LONG_BODY_BYTES = 1 << 16  # a body longer than this has its prompt tokenized off the event loop
+
+
+async def off_the_loop_if_long(body: bytes, function: Callable, *args):
+    """function(*args) (a prompt's tokenization) in a worker thread when the request's body is
+    long: megabytes of text take the tokenizer seconds, and on the event loop every stream and
+    /health would wait for them; a short one on the loop, where a thread's round trip would wait
+    behind the streams' chunks."""
+    if len(body) > LONG_BODY_BYTES:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
 
 
 def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
@@ -53,19 +71,51 @@ def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
             message["reasoning_content"] = reasoning
         messages.append(message)
     tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
-    # The template's own variables only: apply_chat_template's arguments (the template, tools, the
-    # generation prompt...) are the server's to set.
-    arguments = inspect.signature(tokenizer.apply_chat_template).parameters
-    for key in req.chat_template_kwargs or {}:
-        if key in arguments and arguments[key].kind is not inspect.Parameter.VAR_KEYWORD:
-            raise OpenAIError(400, f"chat_template_kwargs may set the template's variables only, not {key!r}",
-                              param=f"chat_template_kwargs.{key}")
+    check_template_kwargs(tokenizer, req.chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True, **(req.chat_template_kwargs or {}))
     except Exception as err:  # a template's own error (jinja raises its own types)
         raise OpenAIError(400, f"The chat template failed on these messages: {err}", param="messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# Variables of a chat template that apply_chat_template sets from the request (or its own
+# arguments and the tokenizer's special tokens, below): chat_template_kwargs may not set them.
+SERVER_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a chat template reads, None if jinja2 cannot parse it alone (a tag of an
+    extension of transformers')."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment(
+            extensions=["jinja2.ext.loopcontrols"]).parse(template)))
+    except jinja2.TemplateError:
+        return None
+
+
+def check_template_kwargs(tokenizer, kwargs: dict) -> None:
+    """A 400 naming the key unless each of chat_template_kwargs is a variable the template reads
+    and the server does not set, of the type the template expects where that is known (Qwen3's
+    enable_thinking: a JSON boolean; "false" would be a true string to the template, and thinking
+    would stay on). A key the template never reads would be silently ignored."""
+    arguments = inspect.signature(tokenizer.apply_chat_template).parameters
+    server_sets = SERVER_VARIABLES | set(tokenizer.special_tokens_map) | {
+        key for key, p in arguments.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    template = tokenizer.chat_template
+    known = template_variables(template) if isinstance(template, str) else None
+    for key, value in kwargs.items():
+        where = f"chat_template_kwargs.{key}"
+        if key in server_sets:
+            raise OpenAIError(400, f"chat_template_kwargs may set the template's own variables only, not {key!r} "
+                              "(the server sets it from the request)", param=where)
+        if known is not None and key not in known:
+            own = ", ".join(sorted(known - server_sets)) or "none"
+            raise OpenAIError(400, f"The chat template has no variable {key!r} (its own: {own})", param=where)
+        if key == "enable_thinking" and not isinstance(value, bool):
+            raise OpenAIError(400, f"'{where}' must be true or false, got {short(value)}", param=where)
 
 
 def reply_grammar(req: SamplingFields, block: str, chat: bool) -> str | None:

@@ -7,7 +7,7 @@ of fields beyond the ones the server implements:
   a 400 naming the field unless it holds the value that asks for nothing (`n: 1`, `tools: []`),
   never an answer that silently ignores it (UNSUPPORTED; marked so in the models below);
 - defined by the API and accepted whatever they hold, because they do not change the answer
-  (`user`, `metadata`, `service_tier`, ...: marked IGNORED below);
+  (`user`, `metadata`, `service_tier`, ...: marked IGNORED below), each checked as the API types it;
 - not in the API: a 400 "Unrecognized request argument", as OpenAI answers. The extensions this
   server adds (top_k, min_p, repetition_penalty, ignore_eos, return_token_ids, chat_template_kwargs)
   are vLLM's.
@@ -46,7 +46,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: Any = None  # IGNORED: chunks carry no padding field to obfuscate
+    include_obfuscation: bool | None = None  # IGNORED: chunks carry no padding field to obfuscate
 
 
 MAX_CHOICES = 64  # n at most: each choice is a sequence in the batch
@@ -75,7 +75,7 @@ class SamplingFields(Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # choices, each a sequence of its own sharing the prompt's prefill
     frequency_penalty: Any = None
     logit_bias: Any = None
-    user: Any = None  # IGNORED
+    user: str | None = None  # IGNORED
 
 
 class JSONSchema(Strict):
@@ -174,18 +174,18 @@ class ChatRequest(SamplingFields):
     verbosity: Any = None
     web_search_options: Any = None
     store: Any = None
-    metadata: Any = None  # IGNORED
-    service_tier: Any = None
+    metadata: dict[str, str] | None = None  # IGNORED
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None  # IGNORED
     parallel_tool_calls: bool | None = None  # false: one call at most (constrained decoding enforces it)
     prediction: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
+    prompt_cache_key: str | None = None  # IGNORED: the prefix cache finds a prompt's blocks by their tokens
+    safety_identifier: str | None = None  # IGNORED
 
 
 # Field -> (the values that ask for nothing, what the server does instead). Each is refused with
 # a 400 naming it when set to anything else.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "best_of": ((1,), "one choice per request"),
+    "best_of": ((1,), "use n for several choices, each returned"),
     "frequency_penalty": ((0, 0.0), "use presence_penalty or repetition_penalty"),
     "logit_bias": (({},), "no bias on token logits"),
     "echo": ((False,), "the prompt is not echoed"),

@@ -72,7 +72,7 @@ from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .prompts import chat_prompt, completion_prompt, reasoning_block, reply_grammar, reply_parser
+from .prompts import chat_prompt, completion_prompt, off_the_loop_if_long, reasoning_block, reply_grammar, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
 from .streams import EventStream, Outbox, Outputs, event
@@ -155,8 +155,10 @@ class Server:
                               param="model", code="model_not_found")
 
     def engine_request(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                       default_max_tokens: int, logprobs: int | None = None,
-                       grammar: str | None = None) -> EngineRequest:
+                       default_max_tokens: int, logprobs: int | None = None, grammar: str | None = None,
+                       fields: tuple[str, str] = ("prompt", "max_tokens")) -> EngineRequest:
+        """The engine's request, or a 400 naming the field as the client sent it: fields are what
+        the request calls its prompt and its token limit ("messages", "max_completion_tokens")."""
         try:
             params = sampling_params(
                 self.generation_config, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
@@ -171,8 +173,12 @@ class Server:
                                 eos_ids=() if req.ignore_eos else None, logprobs=logprobs, grammar=grammar)
         try:
             self.engine.check(request)
-        except ValueError as err:  # ParameterError names the field
-            raise OpenAIError(400, str(err), param=getattr(err, "param", None)) from None
+        except ValueError as err:  # ParameterError names the field, as the engine calls it
+            param, message = getattr(err, "param", None), str(err)
+            if param == "max_tokens":  # the prompt alone too long for the context is the prompt's fault
+                param = fields[0] if len(prompt_ids) >= self.max_len else fields[1]
+                message = message.replace("max_tokens", fields[1])
+            raise OpenAIError(400, message, param=param) from None
         return request
 
     async def grammar_of(self, req: SamplingFields, block: str, chat: bool) -> str | None:
@@ -425,9 +431,10 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await request.body())
+        body = await request.body()
+        req = parse(CompletionRequest, body)
         server.check_model(req.model)
-        ids = completion_prompt(tokenizer, req)
+        ids = await off_the_loop_if_long(body, completion_prompt, tokenizer, req)
         grammar = await server.grammar_of(req, "none", False)
         engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
                                                logprobs=req.logprobs, grammar=grammar)
@@ -435,21 +442,23 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatRequest, await request.body())
+        body = await request.body()
+        req = parse(ChatRequest, body)
         server.check_model(req.model)
-        ids = chat_prompt(tokenizer, model_name, req)
+        ids = await off_the_loop_if_long(body, chat_prompt, tokenizer, model_name, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         room = min(server.max_len, engine.limits.n_blocks * engine.limits.block_size) - len(ids)
         if room < 1 and max_tokens is None:  # the prompt alone fills the context: the messages are too long
             raise OpenAIError(400, f"This model's maximum context length is {server.max_len} tokens and the "
-                              f"cache holds {engine.limits.n_blocks * engine.limits.block_size}; the messages "
-                              f"are {len(ids)} tokens, leaving no room for a reply", param="messages")
+                              f"server's KV cache holds {engine.limits.n_blocks * engine.limits.block_size:,} tokens; "
+                              f"the messages are {len(ids)} tokens, leaving no room for a reply", param="messages")
         if req.top_logprobs and not req.logprobs:  # as OpenAI refuses it
             raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         block = reasoning_block(tokenizer, ids)
         grammar = await server.grammar_of(req, block, True)
+        limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
-                                               logprobs=logprobs, grammar=grammar)
+                                               logprobs=logprobs, grammar=grammar, fields=("messages", limit))
         replies = [reply_parser(server.reasoning, block, req) for _ in range(req.n)]
         return await server.run(request, engine_request, req, replies)

@@ -38,6 +38,9 @@ class Outputs:
             await self.ready.wait()
             self.ready.clear()
         first = self.items.popleft()
+        if not self.items:  # one output, as when the loop keeps up: taken as it came
+            self.done = first.finish_reason is not None
+            return first
         text, tokens, last = [first.text], list(first.token_ids), first
         logprobs = list(first.logprobs) if first.logprobs is not None else None
         while self.items:

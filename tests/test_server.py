@@ -10,6 +10,8 @@ has a client timeout."""
 import asyncio
 import json
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -333,6 +335,23 @@ def test_logprobs_are_transformers_log_softmax_streamed_or_not(server, reference
     assert plain.choices[0].logprobs is None
 
 
+def test_a_long_prompt_is_tokenized_without_holding_up_the_server(server):
+    """A megabyte of prompt text takes the tokenizer seconds: /health answers meanwhile, and the
+    prompt gets its 400 (longer than the context) naming it."""
+    with ThreadPoolExecutor(1) as pool:
+        started = time.perf_counter()
+        long = pool.submit(httpx.post, f"{server}/v1/completions", json={"prompt": "abc " * 250_000, "max_tokens": 1},
+                           timeout=120)
+        time.sleep(0.3)  # the body is in, its tokenization under way
+        asked = time.perf_counter()
+        assert httpx.get(f"{server}/health", timeout=120).status_code == 200
+        health_s = time.perf_counter() - asked
+        r = long.result()
+        long_s = time.perf_counter() - started
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+    assert health_s < long_s / 2, (health_s, long_s)
+
+
 def test_bad_requests_get_openai_errors_naming_the_field(server):
     url = f"{server}/v1/completions"
     r = httpx.post(url, content=b'{"prompt": "x", ', headers={"Content-Type": "application/json"}, timeout=30)
@@ -356,6 +375,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         ({"prompt": ["a", "b"]}, "prompt", "One prompt per request, got 2"),
         ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
+        ({"prompt": [5] * 1024, "max_tokens": 1}, "prompt", "maximum context length is 1024"),  # the prompt alone
+        ({"prompt": "x", "user": 5}, "user", "valid string"),  # ignored, but typed as the API types it
     ):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)
@@ -367,6 +388,10 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         ({"top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         ({"logprobs": 1}, "logprobs", "valid boolean"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be an integer >= 1"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens", "maximum context length"),
+        ({"metadata": 5}, "metadata", "valid dictionary"),
+        ({"service_tier": "fastest"}, "service_tier", "service_tier"),
     ):
         r = httpx.post(f"{server}/v1/chat/completions", json={"messages": hi, **body}, timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == param and says in error_of(r)["message"], r.text
@@ -380,7 +405,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
     with pytest.raises(openai.NotFoundError) as err:
         c.completions.create(model="gpt-5", prompt="x", max_tokens=2)
     assert err.value.status_code == 404 and "gpt-5" in str(err.value)
-    with pytest.raises(openai.BadRequestError, match="'best_of' is not supported by this server: one choice per"):
+    with pytest.raises(openai.BadRequestError, match="'best_of' is not supported by this server: use n for"):
         c.completions.create(model=NAME, prompt="x", max_tokens=2, best_of=2)
     with pytest.raises(openai.BadRequestError, match="temperature must be >= 0"):
         c.completions.create(model=NAME, prompt="x", max_tokens=2, temperature=-1)

@@ -300,10 +300,18 @@ def test_a_prompt_that_fills_the_context_is_a_400_naming_messages(server):
 
 
 def test_chat_template_kwargs_set_template_variables_not_the_servers_arguments(server):
-    for key, value in (("add_generation_prompt", False), ("chat_template", "{{ 1 / 0 }}"), ("tools", [])):
+    """The server's own variables, a variable the template never reads (it would be silently
+    ignored) and a non-boolean enable_thinking ("false" is a true string to the template) are 400s
+    naming the key."""
+    server_sets = "the server sets it"
+    cases = [("add_generation_prompt", False, server_sets), ("chat_template", "{{ 1 / 0 }}", server_sets),
+             ("tools", [], server_sets), ("messages", [], server_sets), ("bogus", 1, "no variable 'bogus'"),
+             ("enable_thinking", "false", "must be true or false")]
+    for key, value, says in cases:
         r = httpx.post(f"{server}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
             "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {key: value}})
         assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+        assert says in r.json()["error"]["message"], r.text
 
 
 def test_n_chat_choices_each_take_their_reply_apart(server):
