@@ -70,6 +70,10 @@ def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
         if (reasoning := m.reasoning_content if m.reasoning_content is not None else m.reasoning) is not None:
             message["reasoning_content"] = reasoning
         messages.append(message)
+    names = [tool.function.name for tool in req.tools or []]
+    for i, name in enumerate(names):
+        if name in names[:i]:  # a call could not say which one it meant
+            raise OpenAIError(400, f"tools[{i}] is a second function named {name!r}", param=f"tools[{i}].function.name")
     tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
     check_template_kwargs(tokenizer, req.chat_template_kwargs or {})
     try:

@@ -169,6 +169,8 @@ class Server:
         if max_tokens is None:
             max_tokens = default_max_tokens
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if "" in stop:  # it would be found before the first token: no answer could ever be given
+            raise OpenAIError(400, "stop strings must not be empty", param="stop")
         request = EngineRequest(prompt_ids, max_tokens, params, seed=req.seed, stop=tuple(stop),
                                 eos_ids=() if req.ignore_eos else None, logprobs=logprobs, grammar=grammar)
         try:

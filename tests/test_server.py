@@ -377,6 +377,7 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
         ({"prompt": [5] * 1024, "max_tokens": 1}, "prompt", "maximum context length is 1024"),  # the prompt alone
         ({"prompt": "x", "user": 5}, "user", "valid string"),  # ignored, but typed as the API types it
+        ({"prompt": "x", "stop": ["a", ""]}, "stop", "stop strings must not be empty"),
     ):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == 400 and error_of(r)["param"] == param, (body, r.text)

@@ -223,6 +223,13 @@ def test_with_tool_choice_none_or_no_tools_a_call_is_content(server):
         assert message["content"] == "".join(SCRIPTS["call"])
 
 
+def test_two_tools_of_one_name_are_a_400_naming_the_second(server):
+    """A call names its function: with two of one name it could not say which it meant."""
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+        "messages": [{"role": "user", "content": "Weather?"}], "tools": [TOOLS[0], TOOLS[0]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.name", r.text
+
+
 def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(server):
     """The assistant's call and the tool's answer, sent back in the history, reach the prompt as the
     checkpoint's template writes them (prompt_token_ids: return_token_ids)."""
