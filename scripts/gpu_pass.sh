@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
 #                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [serve-logprobs] [structured]
-#                                  [scenarios] [engine] [tp]
+#                                  [scenarios] [engine] [server-loop] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                  [fp8-linear] [fp8-tests] [decode-0.6b-fp8] [decode-8b-fp8] [decode-30b-a3b-fp8]
 #                                                       (no stage named: tests, bench, decode-0.6b, decode-8b)
@@ -30,6 +30,9 @@
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
 # structured: scripts/bench_structured.py at the 0.6B config: 64 requests at once, each constrained to a
 #        random JSON schema, against the same 64 unconstrained, into OUT/structured.log (about a minute).
+# server-loop: scripts/bench_server_loop.py, the HTTP server over a stub engine (no model, no GPU work) at
+#        256 clients in 8 processes, without and with `logprobs: 5`: this host's server CPU per streamed
+#        token, what bounds serve-256 (serve-notes.md), into OUT/server-loop.log (about a minute).
 # serve-logprobs: serve-256 twice in a row, without log-probabilities and with `logprobs: 5` on every
 #        request, into OUT/serve-logprobs-{none,5}.json (about three minutes).
 # scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
@@ -155,6 +158,11 @@ for stage in $stages; do
       timeout 400 python scripts/bench_engine.py --config 0.6b --concurrency 20 256 --temperature 0 0.6 1 \
         --top-p 1 0.95 0.95 --top-k 0 20 0 > "$out/engine.log" 2>&1
       grep '^{' "$out/engine.log" ;;
+    server-loop)
+      for lp in "" "--logprobs 5"; do
+        timeout 200 python scripts/bench_server_loop.py --concurrency 256 --client-processes 8 $lp >> "$out/server-loop.log" 2>&1
+      done
+      grep '^{' "$out/server-loop.log" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
   echo "== $stage took $((SECONDS - start)) s"
