@@ -15,7 +15,10 @@ with a seed of its own. total_tok_s = generated tokens (usage) / wall time of th
 ttft = time from sending a request to its first streamed chunk (its first token's).
 Writes {"date", "commit", "gpu", "versions", "results": [{"model", "concurrency", "temperature",
 "top_p", "top_k", ("logprobs",) "prompt_tokens", "output_tokens", "total_tok_s", "ttft_ms_p50", "ttft_ms_p99",
-"requests", "failed"}]}.
+"requests", "failed", "server_cores", "engine_cores"}]}. server_cores / engine_cores: CPU time (user +
+system, all threads) of serve.py's process and of its engine process over the level, per second
+of it: a server_cores near 1 is an event loop that bounds the level (Linux; with a server this
+script started).
 """
 
 import argparse
@@ -31,6 +34,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default=None, help="the commit to record (default: git's HEAD, where there is one)")
     p.add_argument("--server-log", type=Path, default=None,
                    help="where the server's output goes (default: a temp file)")
+    p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
+                   help="at each level, py-spy records the server's and the engine's processes for 3 s into "
+                        "DIR/{server,engine}-cN.txt (flame-graph lines; py-spy installed, ptrace allowed)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
     return p.parse_args(argv)
@@ -98,6 +105,62 @@ def random_checkpoint(name: str, directory: Path) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SHIPPED / f, directory / f)
     return directory
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads (Linux's /proc; 0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of a process (Linux's /proc)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class CpuMeter:
+    """Cores busy in the server's process and in its engine process (its children) over a level's
+    own span: a thread reads their CPU times every 50 ms, and `window` takes the readings around
+    the span's start and end (the clients' processes start some seconds into a level)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.readings: list[tuple[float, float, float]] = []  # (time.time(), server's, engine's CPU seconds)
+        self.done = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while not self.done.wait(0.05):
+            self.readings.append((time.time(), cpu_seconds(self.pid),
+                                  sum(cpu_seconds(c) for c in children(self.pid))))
+
+    def window(self, start: float, end: float) -> dict:
+        inside = [r for r in list(self.readings) if start <= r[0] <= end]
+        if len(inside) < 2:
+            return {}
+        (t0, s0, e0), (t1, s1, e1) = inside[0], inside[-1]
+        return {"server_cores": round((s1 - s0) / (t1 - t0), 2), "engine_cores": round((e1 - e0) / (t1 - t0), 2)}
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def py_spy(server_pid: int, directory: Path, concurrency: int) -> None:
+    """py-spy records the server's process and its engine process (its busiest child) for 3 s from
+    a second after the clients start, in the background (--py-spy)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    engine = max(children(server_pid), key=cpu_seconds, default=None)
+    for name, pid in (("server", server_pid), ("engine", engine)):
+        if pid is not None:
+            subprocess.Popen(["sh", "-c", f"sleep {CLIENT_START_S + 1}; exec py-spy record -p {pid} -d 3 -r 250 "
+                              f"-f raw --nonblocking -o {directory}/{name}-c{concurrency}.txt"],
+                             stdout=subprocess.DEVNULL, stderr=(directory / f"{name}-c{concurrency}.err").open("w"))
 
 
 def free_port() -> int:
@@ -178,9 +241,11 @@ def client_process(job: tuple) -> tuple[list[dict], float, float]:
     return asyncio.run(clients(*job))
 
 
-def level(url: str, model: str, concurrency: int, sampling: dict, args, rng: random.Random, vocab: int) -> dict:
+def level(url: str, model: str, concurrency: int, sampling: dict, args, rng: random.Random, vocab: int,
+          meter: CpuMeter | None = None) -> dict:
     """One concurrency level. The clients are spread over --client-processes processes: one Python
-    process parsing every streamed chunk of hundreds of streams would measure itself, not the server."""
+    process parsing every streamed chunk of hundreds of streams would measure itself, not the server.
+    With a meter: the cores the server's and the engine's processes kept busy over the level's span."""
     n = concurrency * args.requests_per_client
     prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
                for _ in range(n)]
@@ -198,7 +263,8 @@ def level(url: str, model: str, concurrency: int, sampling: dict, args, rng: ran
         with multiprocessing.get_context("spawn").Pool(procs) as pool:
             parts = pool.map(client_process, jobs)
     results = [r for part in parts for r in part[0]]
-    wall = max(part[2] for part in parts) - min(part[1] for part in parts)
+    start, end = min(part[1] for part in parts), max(part[2] for part in parts)
+    wall = end - start
     ok = [r for r in results if r["ok"]]
     ttfts = sorted(r["ttft"] * 1e3 for r in ok)
 
@@ -211,7 +277,8 @@ def level(url: str, model: str, concurrency: int, sampling: dict, args, rng: ran
     return {"concurrency": concurrency, **sampling, "prompt_tokens": f"{args.prompt_min}-{args.prompt_max}",
             "prompt_tokens_mean": round(sum(map(len, prompts)) / n, 1), "output_tokens": args.output,
             "total_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "ttft_ms_p50": pct(0.5),
-            "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed), "client_processes": procs}
+            "ttft_ms_p99": pct(0.99), "requests": n, "failed": len(failed), "client_processes": procs,
+            **(meter.window(start, end) if meter is not None else {})}
 
 
 def versions() -> dict:
@@ -267,7 +334,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    proc, tmp = None, None
+    proc, tmp, meter = None, None, None
     try:
         if args.url:
             url = args.url.rstrip("/")
@@ -293,12 +360,17 @@ def main(argv=None) -> None:
         for sampling in settings:  # the first requests of each kind compile and capture what they run
             level(url, model, 1, sampling, warm_up, rng, vocab)
         results = []
+        meter = CpuMeter(proc.pid) if proc is not None else None
         for sampling in settings:
             for c in args.concurrency:
-                r = {"model": name, **level(url, model, c, sampling, args, rng, vocab)}
+                if args.py_spy and proc is not None:
+                    py_spy(proc.pid, args.py_spy, c)
+                r = {"model": name, **level(url, model, c, sampling, args, rng, vocab, meter)}
                 print(json.dumps(r), flush=True)
                 results.append(r)
     finally:
+        if meter is not None:
+            meter.stop()
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)

@@ -16,7 +16,6 @@ server on one machine. Tokens/s is bounded by the stub's pace: concurrency / ste
 import argparse
 import itertools
 import json
-import os
 import random
 import subprocess
 import sys
@@ -107,12 +106,6 @@ def serve(port: int, step_s: float) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux's /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, default=64)
@@ -126,7 +119,7 @@ def main() -> None:
         serve(args.serve, args.step_ms / 1e3)
         return
     import httpx
-    from bench_serve import free_port, level
+    from bench_serve import cpu_seconds, free_port, level
 
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--step-ms", str(args.step_ms)],

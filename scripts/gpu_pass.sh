@@ -34,7 +34,8 @@
 #        256 clients in 8 processes, without and with `logprobs: 5`: this host's server CPU per streamed
 #        token, what bounds serve-256 (serve-notes.md), into OUT/server-loop.log (about a minute).
 # serve-logprobs: serve-256 twice in a row, without log-probabilities and with `logprobs: 5` on every
-#        request, into OUT/serve-logprobs-{none,5}.json (about three minutes).
+#        request, into OUT/serve-logprobs-{none,5}.json (about three minutes); where py-spy is installed
+#        (its wheel carried), 10 s of the server's and the engine's stacks in OUT/spy-{none,5}/.
 # scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
 #        off, then long prompts (16k, 32k) among 64 streams, into OUT/scenarios-*.json (about 4 minutes).
 # extend-attention: scripts/bench_extend_attention.py: the paged chunk-attention kernel's tile configurations
@@ -128,7 +129,8 @@ for stage in $stages; do
     serve-logprobs)
       for lp in none 5; do
         timeout 200 python scripts/bench_serve.py --config 0.6b --concurrency 256 --client-processes 8 \
-          $([ $lp = none ] || echo --logprobs $lp) ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-logprobs-$lp.json" \
+          $([ $lp = none ] || echo --logprobs $lp) $(command -v py-spy > /dev/null && echo --py-spy "$out/spy-$lp") \
+          ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-logprobs-$lp.json" \
           --server-log "$out/server-logprobs-$lp.log" > "$out/serve-logprobs-$lp.log" 2>&1
         grep '^{' "$out/serve-logprobs-$lp.log"
       done ;;

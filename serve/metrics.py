@@ -6,12 +6,22 @@ between tokens (a merged output of k tokens counts its gap as k gaps of a k-th e
 generated tokens, and how it finished (`finished_reason`: stop, length, abort, error). At each
 scrape, from the engine: requests running and waiting, the KV cache's use, the prefix cache's
 queried and hit tokens.
+
+The numbers that move with every generated token (the gaps between tokens, the tokens, the first
+tokens) are plain counts, read into Prometheus' shapes at each scrape (`TokenSeries`):
+prometheus-client's Histogram and Counter take a lock per bucket, sum and count at each
+observation, and at hundreds of streams that thread's every microsecond is taken from the event
+loop that writes the streams (docs/benchmarks/serve-notes.md).
 """
 
 import time
+from bisect import bisect_left
+from itertools import accumulate
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 from .request import Output
 
@@ -24,6 +34,45 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
 FINISHED = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+class Buckets:
+    """A histogram's counts: observe is a bisect and two additions. One thread observes (the one
+    that receives the outputs); a scrape reads on the event loop, the count derived from the
+    buckets so that the two always agree."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += times  # a bucket holds the values <= its bound
+        self.sum += value * times
+
+    def family(self, name: str, documentation: str, model_name: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(name, documentation, labels=["model_name"])
+        bounds = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        family.add_metric([model_name], list(zip(bounds, accumulate(self.counts))), self.sum)
+        return family
+
+
+class TokenSeries:
+    """The per-token series (see the module docstring), a collector of the app's registry."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.ttft, self.itl = Buckets(TTFT_BUCKETS), Buckets(ITL_BUCKETS)
+        self.generated = 0
+
+    def collect(self):
+        m = self.model_name
+        yield self.ttft.family("vllm:time_to_first_token_seconds", "Time from a request's arrival to its first token",
+                               m)
+        yield self.itl.family("vllm:inter_token_latency_seconds", "Time between a request's consecutive tokens", m)
+        generated = CounterMetricFamily("vllm:generation_tokens", "Generated tokens", labels=["model_name"])
+        generated.add_metric([m], self.generated)
+        yield generated
 
 
 class Metrics:
@@ -39,20 +88,13 @@ class Metrics:
                                 [*labels, "finished_reason"], registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests (n choices: n times)",
                                      labels, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       labels, registry=r)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from a request's arrival to its first token",
-                              labels, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between a request's consecutive tokens",
-                             labels, buckets=ITL_BUCKETS, registry=r)
+        self.tokens = TokenSeries(model_name)
+        r.register(self.tokens)
         self.model_name = model_name
-        # This model's series, looked up once: every generated token observes one (labels() takes a
-        # lock and a dict lookup each call, on the thread that hands out every stream's tokens).
-        self.ttft_series, self.itl_series = self.ttft.labels(model_name), self.itl.labels(model_name)
-        self.generated_series = self.generation_tokens.labels(model_name)
         self._prefix_seen = (0, 0)  # the engine's running totals at the last scrape
 
     def request(self) -> "RequestClock":
@@ -83,16 +125,15 @@ class RequestClock:
 
     def output(self, out: Output) -> None:
         m = self.metrics
-        now = time.monotonic()
-        if out.token_ids:
+        n = len(out.token_ids)
+        if n:
+            now, tokens = time.monotonic(), m.tokens
             if self.first:
-                m.ttft_series.observe(now - self.start)
+                tokens.ttft.observe(now - self.start)
                 self.first = False
             else:
-                gap = (now - self.last) / len(out.token_ids)
-                for _ in out.token_ids:
-                    m.itl_series.observe(gap)
-            m.generated_series.inc(len(out.token_ids))
+                tokens.itl.observe((now - self.last) / n, n)
+            tokens.generated += n
             self.last = now
         if out.finish_reason is not None:
             name = m.model_name
