@@ -2,7 +2,8 @@
 # The one check-and-measure pass on a GPU machine, from the repository root:
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
-#                                  [decode-30b-a3b] [sampled-decode] [serve] [serve-256] [serve-logprobs] [structured]
+#                                  [decode-30b-a3b] [decode-kept] [sampled-decode] [serve] [serve-levels] [serve-256]
+#                                  [serve-logprobs] [structured]
 #                                  [scenarios] [engine] [server-loop] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                  [fp8-linear] [fp8-tests] [decode-0.6b-fp8] [decode-8b-fp8] [decode-30b-a3b-fp8]
@@ -27,6 +28,10 @@
 #        the clients in 8 processes, so that reading 256 streams does not hold the clients back (serve-notes.md).
 #        The server's packages (fastapi, uvicorn, pydantic) are not on the device image: carry their
 #        wheels in .whl/ and install them first (see docs/benchmarks/README.md).
+# serve-levels: scripts/bench_serve.py at 20 and 256 clients, greedy, with Qwen3's recommended sampling and
+#        with top-p alone, into OUT/serve-h200.{json,png} (about four minutes).
+# decode-kept: ours alone (no transformers) at batch 1 and 64 for 0.6b, 8b and 30b-a3b, into
+#        OUT/decode-kept.json: the decode levels kept, in one process (about six minutes).
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
 # structured: scripts/bench_structured.py at the 0.6B config: 64 requests at once, each constrained to a
 #        random JSON schema, against the same 64 unconstrained, into OUT/structured.log (about a minute).
@@ -92,6 +97,10 @@ for stage in $stages; do
     fp8-tests)
       timeout -s INT 400 python -m pytest -q -n 4 tests/test_fp8.py tests/test_fp8_kernels.py > "$out/fp8-tests.log" 2>&1
       tail -n 5 "$out/fp8-tests.log" ;;
+    decode-kept)
+      timeout 540 python scripts/bench_generate.py --models 0.6b 8b 30b-a3b --batches 1 64 --engines ours \
+        --long-prompt 0 --json "$out/decode-kept.json" ${COMMIT:+--commit "$COMMIT"} >> "$out/decode.log" 2>&1
+      grep '^{' "$out/decode.log" | tail -n 6 ;;
     decode-*-fp8)
       model=${stage#decode-}; model=${model%-fp8}
       batches=$([ "$model" = 30b-a3b ] && echo "1 32" || echo "1 64")
@@ -122,6 +131,11 @@ for stage in $stages; do
         ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
       tail -n 8 "$out/serve.log" ;;
+    serve-levels)
+      timeout 540 python scripts/bench_serve.py --config 0.6b --concurrency 20 256 --client-processes 8 \
+        --temperature 0 0.6 1 --top-p 1 0.95 0.95 --top-k 0 20 0 ${COMMIT:+--commit "$COMMIT"} \
+        --json "$out/serve-h200.json" --plot "$out/serve-h200.png" --server-log "$out/server.log" > "$out/serve.log" 2>&1
+      grep '^{' "$out/serve.log" ;;
     serve-256)
       timeout 200 python scripts/bench_serve.py --config 0.6b --concurrency 256 --client-processes 8 \
         ${COMMIT:+--commit "$COMMIT"} --json "$out/serve-256.json" --server-log "$out/server-256.log" > "$out/serve-256.log" 2>&1
