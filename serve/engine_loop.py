@@ -4,7 +4,6 @@ each step's outputs back in one message, and a heartbeat when it has sent nothin
 """
 
 import faulthandler
-import gc
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .engine import PREFILL_TOKENS, Engine, Output
+from .interpreter import frozen_heap
 
 # The engine process sends a message at least this often, so that silence means a hang.
 HEARTBEAT_S = 1.0
@@ -191,17 +191,10 @@ def serve_engine(conn, stderr, spec: EngineSpec) -> None:
     except Exception as err:  # out of memory, a driver error...: one line still, with the error's kind
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
-    # The model, the tokenizer and the modules live as long as the process: frozen, Python's full
-    # collections, which each step's outputs set off every few seconds, no longer walk them (a
-    # stall of the step loop each time, as in the server's process: serve/server.py).
-    gc.collect()
-    gc.freeze()
     try:
         conn.send(("ready", {"limits": engine.limits,
                              "generation_config": getattr(engine.model, "generation_config", {}) or {}}))
     except OSError:  # the server went away while the model loaded
         return
-    try:
+    with frozen_heap():  # the model and the tokenizer, out of the collector's sight (serve/interpreter.py)
         EngineLoop(conn, engine).run()
-    finally:
-        gc.unfreeze()  # for the collection at exit: extensions (Triton's nanobind) report objects left uncollected

@@ -51,9 +51,7 @@ Choices made here:
 
 import asyncio
 import dataclasses
-import gc
 import json
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -72,17 +70,13 @@ from .choices import Choice, LogprobsWriter, arrivals
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
+from .interpreter import frozen_heap, short_switch_interval
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prompts import chat_prompt, completion_prompt, off_the_loop_if_long, reasoning_block, reply_grammar, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
 from .streams import EventStream, Outbox, Outputs, event
 
-# The thread that receives the engine's outputs and the event loop share the GIL. The receiver
-# waits on the pipe with the GIL released; getting it back from a busy event loop takes up to
-# Python's switch interval, 5 ms by default, which would hold a decode step's tokens back for
-# longer than the step took. While serving, the interval is 0.1 ms.
-GIL_SWITCH_INTERVAL_S = 1e-4
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves by whole requests, each a second or so
 HEALTH_TIMEOUT_S = 10.0  # /health's wait for the engine's numbers; longer is a 503
 
@@ -340,21 +334,12 @@ def create_app(engine: EngineProcess, tokenizer, model_name: str, reasoning: boo
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        # What the process has built by now (the tokenizer, the app, the imported modules: some
-        # 250,000 objects) lives as long as it does, and Python's full collections would walk all
-        # of it every few seconds under the token stream's allocations, holding the event loop
-        # ~150 ms each time (a stall of every stream). Frozen, they are out of the collector's sight.
-        gc.collect()
-        gc.freeze()
-        try:
-            server.begin(asyncio.get_running_loop())
-            yield
-        finally:
-            engine.stop()
-            sys.setswitchinterval(interval)
-            gc.unfreeze()  # for the collection at exit (see serve/engine_loop.py)
+        with short_switch_interval(), frozen_heap():
+            try:
+                server.begin(asyncio.get_running_loop())
+                yield
+            finally:
+                engine.stop()
 
     app = FastAPI(title="qwen3-from-scratch", lifespan=lifespan)
     app.state.server = server
