@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
 #                                  [decode-30b-a3b] [decode-kept] [sampled-decode] [serve] [serve-levels] [serve-256]
-#                                  [serve-logprobs] [structured]
+#                                  [serve-logprobs] [structured] [structured-8b]
 #                                  [scenarios] [engine] [server-loop] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                  [fp8-linear] [fp8-tests] [decode-0.6b-fp8] [decode-8b-fp8] [decode-30b-a3b-fp8]
@@ -34,7 +34,8 @@
 #        OUT/decode-kept.json: the decode levels kept, in one process (about six minutes).
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
 # structured: scripts/bench_structured.py at the 0.6B config: 64 requests at once, each constrained to a
-#        random JSON schema, against the same 64 unconstrained, into OUT/structured.log (about a minute).
+#        random JSON schema, against the same 64 unconstrained, into OUT/structured-0.6b.log (about a minute);
+#        structured-8b: the same at the 8B config.
 # server-loop: scripts/bench_server_loop.py, the HTTP server over a stub engine (no model, no GPU work) at
 #        256 clients in 8 processes, without and with `logprobs: 5`: this host's server CPU per streamed
 #        token, what bounds serve-256 (serve-notes.md), into OUT/server-loop.log (about a minute).
@@ -148,9 +149,11 @@ for stage in $stages; do
           --server-log "$out/server-logprobs-$lp.log" > "$out/serve-logprobs-$lp.log" 2>&1
         grep '^{' "$out/serve-logprobs-$lp.log"
       done ;;
-    structured)
-      timeout 300 python scripts/bench_structured.py --config 0.6b --requests 64 --output 256 > "$out/structured.log" 2>&1
-      tail -n 3 "$out/structured.log" ;;
+    structured|structured-8b)
+      config=$([ "$stage" = structured ] && echo 0.6b || echo 8b)
+      timeout 300 python scripts/bench_structured.py --config $config --requests 64 --output 256 \
+        > "$out/structured-$config.log" 2>&1
+      tail -n 3 "$out/structured-$config.log" ;;
     scenarios)
       timeout 200 python scripts/bench_scenarios.py --config 0.6b --scenario multi_turn ${COMMIT:+--commit "$COMMIT"} \
         --json "$out/scenarios-multi-turn.json" > "$out/scenarios.log" 2>&1
