@@ -14,6 +14,11 @@ from .server import Server
 # uvicorn's own bound on a graceful shutdown, past the server's: requests cut at the end of the
 # grace period still need a moment to send their last event.
 SHUTDOWN_MARGIN_S = 5.0
+# How long an idle keep-alive connection stays open. Clients drop a pooled connection after their
+# own idle time (httpx and so the openai client: 5 s, uvicorn's default too): with the two equal, a
+# client reusing a connection just as the server closes it loses that request (httpx's ReadError).
+# Longer here, the client always lets go first.
+KEEP_ALIVE_S = 30.0
 
 
 class HTTPServer(uvicorn.Server):
@@ -22,7 +27,7 @@ class HTTPServer(uvicorn.Server):
     and `death` how the engine died, if it did."""
 
     def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout_s: float, say: Callable[[str], None]):
-        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
                                         timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_MARGIN_S))
         self.state: Server = app.state.server
         self.state.on_fatal = self.engine_died

@@ -79,6 +79,29 @@ def post_raw(url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
+def test_an_idle_connection_outlives_the_clients_own_idle_time(server):
+    """httpx, and so the openai client, drops a pooled connection after 5 s idle. A server that
+    closed it at 5 s as well would race a client reusing it, and the request would be lost (httpx's
+    ReadError). Idle for 6 s, the connection is still open and answers its next request."""
+    address = urlparse(server)
+    request = f"GET /v1/models HTTP/1.1\r\nHost: {address.netloc}\r\n\r\n".encode()
+    with socket.create_connection((address.hostname, address.port), timeout=10) as sock, sock.makefile("rb") as r:
+
+        def answer_status() -> bytes:
+            sock.sendall(request)
+            status, headers = r.readline(), list(iter(r.readline, b"\r\n"))
+            r.read(next(int(h.split(b":")[1]) for h in headers if h.lower().startswith(b"content-length:")))
+            return status
+
+        assert answer_status().startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing to read, and not closed (which reads b"")
+            sock.recv(1, socket.MSG_PEEK)
+        sock.setblocking(True)
+        assert answer_status().startswith(b"HTTP/1.1 200")
+
+
 def test_a_client_that_leaves_a_request_not_streamed_frees_its_blocks_within_a_second(server, reference):
     """curl -m 1 on a long completion: the request is cancelled as soon as its connection closes."""
     sock = post_raw(server, "/v1/completions", {"prompt": "import os", "max_tokens": LONG, "ignore_eos": True})
