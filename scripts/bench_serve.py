@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the server's output goes (default: a temp file)")
     p.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
                    help="at each level, py-spy records the server's and the engine's processes for 3 s into "
-                        "DIR/{server,engine}-cN.txt (flame-graph lines; py-spy installed, ptrace allowed)")
+                        "DIR/{server,engine}-cN-SETTING.txt (flame-graph lines; py-spy installed, ptrace allowed)")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--plot", type=Path, help="a PNG of tok/s and TTFT against concurrency (needs matplotlib)")
     return p.parse_args(argv)
@@ -151,16 +151,23 @@ class CpuMeter:
         self.done.set()
 
 
-def py_spy(server_pid: int, directory: Path, concurrency: int) -> None:
+def py_spy(server_pid: int, directory: Path, label: str, delay_s: float) -> None:
     """py-spy records the server's process and its engine process (its busiest child) for 3 s from
-    a second after the clients start, in the background (--py-spy)."""
+    delay_s on, into DIR/{server,engine}-LABEL.txt (--py-spy); started by a timer thread, so that
+    the level goes on meanwhile."""
     directory.mkdir(parents=True, exist_ok=True)
     engine = max(children(server_pid), key=cpu_seconds, default=None)
+
+    def record(name: str, pid: int) -> None:
+        with open(directory / f"{name}-{label}.err", "w") as err:
+            subprocess.run(["py-spy", "record", "-p", str(pid), "-d", "3", "-r", "250", "-f", "raw", "--nonblocking",
+                            "-o", str(directory / f"{name}-{label}.txt")], stdout=subprocess.DEVNULL, stderr=err)
+
     for name, pid in (("server", server_pid), ("engine", engine)):
         if pid is not None:
-            subprocess.Popen(["sh", "-c", f"sleep {CLIENT_START_S + 1}; exec py-spy record -p {pid} -d 3 -r 250 "
-                              f"-f raw --nonblocking -o {directory}/{name}-c{concurrency}.txt"],
-                             stdout=subprocess.DEVNULL, stderr=(directory / f"{name}-c{concurrency}.err").open("w"))
+            timer = threading.Timer(delay_s, record, (name, pid))
+            timer.daemon = True
+            timer.start()
 
 
 def free_port() -> int:
@@ -363,8 +370,9 @@ def main(argv=None) -> None:
         meter = CpuMeter(proc.pid) if proc is not None else None
         for sampling in settings:
             for c in args.concurrency:
-                if args.py_spy and proc is not None:
-                    py_spy(proc.pid, args.py_spy, c)
+                if args.py_spy and proc is not None:  # a second into the level's clients
+                    label = f"c{c}-" + "-".join(f"{k}{v}" for k, v in sampling.items())
+                    py_spy(proc.pid, args.py_spy, label, 1 + (CLIENT_START_S if args.client_processes > 1 else 0))
                 r = {"model": name, **level(url, model, c, sampling, args, rng, vocab, meter)}
                 print(json.dumps(r), flush=True)
                 results.append(r)

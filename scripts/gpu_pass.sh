@@ -41,7 +41,7 @@
 #        token, what bounds serve-256 (serve-notes.md), into OUT/server-loop.log (about a minute).
 # serve-logprobs: serve-256 twice in a row, without log-probabilities and with `logprobs: 5` on every
 #        request, into OUT/serve-logprobs-{none,5}.json (about three minutes); where py-spy is installed
-#        (its wheel carried), 10 s of the server's and the engine's stacks in OUT/spy-{none,5}/.
+#        (its wheel carried), 3 s of the server's and the engine's stacks in OUT/spy-{none,5}/.
 # scenarios: scripts/bench_scenarios.py at the 0.6B config: the multi-turn chat with the prefix cache on and
 #        off, then long prompts (16k, 32k) among 64 streams, into OUT/scenarios-*.json (about 4 minutes).
 # extend-attention: scripts/bench_extend_attention.py: the paged chunk-attention kernel's tile configurations

@@ -191,10 +191,10 @@ def serve_engine(conn, stderr, spec: EngineSpec) -> None:
     except Exception as err:  # out of memory, a driver error...: one line still, with the error's kind
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
-    try:
-        conn.send(("ready", {"limits": engine.limits,
-                             "generation_config": getattr(engine.model, "generation_config", {}) or {}}))
-    except OSError:  # the server went away while the model loaded
-        return
     with frozen_heap():  # the model and the tokenizer, out of the collector's sight (serve/interpreter.py)
+        try:
+            conn.send(("ready", {"limits": engine.limits,
+                                 "generation_config": getattr(engine.model, "generation_config", {}) or {}}))
+        except OSError:  # the server went away while the model loaded
+            return
         EngineLoop(conn, engine).run()

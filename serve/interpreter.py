@@ -14,12 +14,13 @@ GIL_SWITCH_INTERVAL_S = 1e-4
 
 @contextmanager
 def frozen_heap():
-    """What the process has built by now (the server's tokenizer, app and modules: some 250,000
-    objects; the engine's model modules and tokenizer) lives as long as it does, and Python's full
-    collections, which the token stream's allocations set off every few seconds, would walk all of
-    it each time: ~150 ms of a held event loop or a stalled step loop (serve-notes.md). Frozen
-    (gc.freeze, as vLLM and SGLang do), it is out of the collector's sight; unfrozen at the end,
-    for the collection at exit (extensions such as Triton's nanobind report objects left behind)."""
+    """What the process has built by now (the server's tokenizer, app and modules; the engine's
+    model modules and tokenizer) lives as long as it does, and Python's full collections, which
+    the token stream's allocations set off, would walk all of it each time, holding the event loop
+    or the step loop meanwhile (docs/benchmarks/serve-notes.md). Frozen (gc.freeze, as vLLM and
+    SGLang do), it is out of the collector's sight; unfrozen at the end, for the collection at exit
+    (extensions such as Triton's nanobind report objects left behind). Not nested: the freeze is
+    the interpreter's, one at a time."""
     gc.collect()
     gc.freeze()
     try:

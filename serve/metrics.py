@@ -9,9 +9,9 @@ queried and hit tokens.
 
 The numbers that move with every generated token (the gaps between tokens, the tokens, the first
 tokens) are plain counts, read into Prometheus' shapes at each scrape (`TokenSeries`):
-prometheus-client's Histogram and Counter take a lock per bucket, sum and count at each
-observation, and at hundreds of streams that thread's every microsecond is taken from the event
-loop that writes the streams (docs/benchmarks/serve-notes.md).
+prometheus-client's Histogram takes a lock for its sum and one for the bucket at each observation,
+its Counter one more, and at hundreds of streams that thread's every microsecond is taken from the
+event loop that writes the streams (docs/benchmarks/serve-notes.md).
 """
 
 import time
@@ -21,7 +21,6 @@ from itertools import accumulate
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.utils import floatToGoString
 
 from .request import Output
 
@@ -52,7 +51,7 @@ class Buckets:
 
     def family(self, name: str, documentation: str, model_name: str) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, documentation, labels=["model_name"])
-        bounds = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        bounds = [repr(float(b)) for b in self.bounds] + ["+Inf"]  # as prometheus-client writes these (< 1e6)
         family.add_metric([model_name], list(zip(bounds, accumulate(self.counts))), self.sum)
         return family
 
@@ -64,6 +63,10 @@ class TokenSeries:
         self.model_name = model_name
         self.ttft, self.itl = Buckets(TTFT_BUCKETS), Buckets(ITL_BUCKETS)
         self.generated = 0
+
+    def describe(self):
+        """The families a scrape holds: the registry checks their names against the others'."""
+        return self.collect()
 
     def collect(self):
         m = self.model_name
