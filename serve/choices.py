@@ -3,11 +3,10 @@ how they are written in OpenAI's shapes, whole (`message` / `text`) or as a stre
 `arrivals`, a response's choices' outputs as they come."""
 
 import asyncio
+import json
 from dataclasses import dataclass
 
-from runtime.logprobs import TokenLogprobs
-from runtime.text import TokenPieces
-
+from .logprob_json import LogprobsWriter, RawJSON
 from .reply import ReplyParser
 from .request import Output
 from .streams import Outputs
@@ -16,37 +15,6 @@ from .streams import Outputs
 def finish_reason(reason: str | None, called: bool) -> str | None:
     """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do."""
     return "tool_calls" if reason == "stop" and called else reason
-
-
-class LogprobsWriter:
-    """A choice's tokens' log-probabilities in OpenAI's shapes, one output's worth at a time: chat's
-    {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}, and the completions'
-    {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}. Every
-    generated token has its entry, a stop token too (as token_ids list it)."""
-
-    def __init__(self, pieces: TokenPieces, chat: bool):
-        self.pieces, self.chat = pieces, chat
-        self.offset = 0  # a completion's: where the next token's text starts
-
-    def __call__(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> dict | None:
-        if logprobs is None:
-            return None
-        if self.chat:
-            return {"content": [self.entry(token, lp, [self.entry(i, v) for i, v in zip(ids, values)])
-                                for token, (lp, ids, values) in zip(token_ids, logprobs)]}
-        texts = [self.pieces(token)[0] for token in token_ids]
-        offsets = []
-        for text in texts:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in logprobs],
-                "top_logprobs": [{self.pieces(i)[0]: v for i, v in zip(ids, values)} for _, ids, values in logprobs],
-                "text_offset": offsets}
-
-    def entry(self, token: int, logprob: float, top: list | None = None) -> dict:
-        text, raw = self.pieces(token)
-        entry = {"token": text, "logprob": logprob, "bytes": raw}
-        return entry if top is None else entry | {"top_logprobs": top}
 
 
 @dataclass
@@ -60,7 +28,8 @@ class Choice:
     called: bool = False  # a tool call was sent
     first: bool = True  # no chunk sent yet
 
-    def write_logprobs(self, out: Output) -> dict | None:
+    def write_logprobs(self, out: Output) -> RawJSON | dict | None:
+        """Chat's as JSON text (serve/logprob_json.py), spliced into a stream's chunk as it is (Server.sse)."""
         return self.logprobs(out.token_ids, out.logprobs) if self.logprobs is not None else None
 
     def whole(self, out: Output) -> dict:
@@ -79,6 +48,8 @@ class Choice:
         else:
             choice = {"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
                       "finish_reason": out.finish_reason}
+        if type(choice["logprobs"]) is RawJSON:  # once per response: as a dict, for the response's JSON
+            choice["logprobs"] = json.loads(choice["logprobs"])
         if self.prompt_ids is not None:
             choice |= {"token_ids": out.token_ids, "prompt_token_ids": self.prompt_ids}
         return choice

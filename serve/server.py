@@ -66,11 +66,12 @@ from runtime.reasoning import OPEN
 from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
-from .choices import Choice, LogprobsWriter, arrivals
+from .choices import Choice, arrivals
 from .engine import Output, QueueFull
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .interpreter import frozen_heap, short_switch_interval
+from .logprob_json import LogprobsWriter, RawJSON, TokenNames
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prompts import chat_prompt, completion_prompt, off_the_loop_if_long, reasoning_block, reply_grammar, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
@@ -96,7 +97,7 @@ class Server:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.reasoning = reasoning and OPEN in (tokenizer.chat_template or "")
         self.metrics = Metrics(model_name)
-        self.pieces = TokenPieces(tokenizer)  # tokens as log-probabilities name them
+        self.token_names = TokenNames(TokenPieces(tokenizer))  # tokens as log-probabilities name them
         self.generation_config = engine.generation_config
         self.max_len = engine.max_len
         self.created = int(time.time())
@@ -249,7 +250,7 @@ class Server:
                 seed = None if request.seed is None else (request.seed + i) % 2**63
                 outputs = Outputs(self.outbox, each=fields.stream)
                 seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
-                writer = LogprobsWriter(self.pieces, chat) if request.logprobs is not None else None
+                writer = LogprobsWriter(self.token_names, chat) if request.logprobs is not None else None
                 choices.append(Choice(i, outputs, seq_id, replies[i] if chat else None, prompt_ids, writer))
         except OpenAIError:  # past the queue bound midway: the choices taken are let go
             self.close_all(choices)
@@ -304,7 +305,11 @@ class Server:
                                       "created": int(time.time()), "model": self.model_name})[:-1] + ', "choices": ['
 
         def chunk(choice: dict) -> str:
-            return f"{head}{json.dumps(choice)}]}}\n\n"
+            logprobs = choice["logprobs"]
+            if type(logprobs) is not RawJSON:
+                return f"{head}{json.dumps(choice)}]}}\n\n"
+            del choice["logprobs"]  # JSON text already (serve/logprob_json.py): spliced in, last
+            return f'{head}{json.dumps(choice)[:-1]}, "logprobs": {logprobs}}}]}}\n\n'
 
         if chat:
             for c in choices:
