@@ -290,8 +290,12 @@ def signals_held():
 
 
 def say(line: str) -> None:
-    """One line for the user on stderr; safe in a signal handler (one write, no buffer)."""
-    os.write(2, f"{PROG}: {line}\n".encode())
+    """One line for the user on stderr; safe in a signal handler (one write, no buffer). A stderr
+    that is gone (a pipe whose reader has exited) loses the line, never the shutdown it announces."""
+    try:
+        os.write(2, f"{PROG}: {line}\n".encode())
+    except OSError:
+        pass
 
 
 def main(argv=None, prog: str = "serve.py") -> None:

@@ -43,14 +43,14 @@ class HTTPServer(uvicorn.Server):
         name, n = signal.Signals(sig).name, len(self.state.open)
         requests = f"{n} open request{'s' if n != 1 else ''}"
         if self.stopping:
-            self.say(f"second {name}: stopped at once, {requests} cut off")
             self.state.engine.kill()
+            self.say(f"second {name}: stopped at once, {requests} cut off")
             os._exit(128 + sig)
         self.stopping = True
+        self.should_exit = True  # first, then the line: saying it must not be what stops the stop
+        self.state.drain_soon(self.shutdown_timeout_s)
         self.say(f"{name}: shutting down; {requests} {'gets' if n == 1 else 'get'} up to {self.shutdown_timeout_s:g} s "
                  f"to finish (a second {name} stops at once)")
-        self.should_exit = True
-        self.state.drain_soon(self.shutdown_timeout_s)
 
     def engine_died(self, reason: str) -> None:  # the loop
         self.status, self.death = 1, reason

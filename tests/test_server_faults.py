@@ -27,8 +27,10 @@ from servers import (
     REQUEST_TIMEOUT_S,
     ROOT,
     SERVE_PY,
+    SERVING,
     SHIPPED,
     Reference,
+    Served,
     completion,
     error_of,
     health,
@@ -383,6 +385,26 @@ def test_a_signal_stops_the_server_gracefully(tmp_path, sig):
     assert len(said) == 1 and re.fullmatch(rf"serve\.py: {name}: shutting down; [23] open requests get up to "
                                            rf"{GRACE_S} s to finish \(a second {name} stops at once\)", said[0]), said
     assert process_gone(engine)
+
+
+def test_a_signal_stops_a_server_whose_stderr_is_gone():
+    """`serve.py ... 2>&1 | head -1`: once the reader has gone, the shutdown's line has nowhere to
+    go; SIGTERM still stops the server (exit 0) and its engine process."""
+    cmd = [sys.executable, str(SERVE_PY), "--model", str(SHIPPED), "--host", "127.0.0.1", "--port", "0",
+           "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+    try:
+        url = next(m.group(1) for line in proc.stdout if (m := SERVING.match(line.decode())))
+        proc.stdout.close()  # the reader leaves
+        while refused(url):
+            time.sleep(0.1)
+        engine = Served(proc, url, None).engine_pid()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert process_gone(engine)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_second_signal_stops_the_server_at_once(tmp_path):
