@@ -28,7 +28,7 @@ def chat_command(prog: str = "qwen3-chat") -> None:
     output.PROG = prog
     from . import generate
 
-    sys.exit(generate.main(["--interactive", *sys.argv[1:]], prog=prog))
+    sys.exit(generate.main(sys.argv[1:], prog=prog, chat=True))
 
 
 def serve_command(prog: str = "qwen3-serve") -> None:

@@ -12,7 +12,9 @@ Without a chat template (a base model, as weights/qwen3-stdlib-tiny) or with --n
 is the lines and replies so far, each typed line starting a line of the text (a note at the start
 says so), and no reasoning is looked for.
 
-/reset forgets the history; /exit or Ctrl-D ends the session (status 0); a blank line is ignored.
+/reset forgets the history; /exit or Ctrl-D ends the session (status 0); /help lists the commands;
+a blank line is ignored. Any other line that starts with "/" is a mistyped command: it gets one line
+saying so and is not sent; "//" sends a line that starts with "/" (one "/" less).
 Ctrl-C during a reply stops it and leaves that exchange out of the history; Ctrl-C at the prompt
 drops the line being typed and shows a new prompt, as Python's own prompt does. A reply may take all
 the room the model's context leaves (at least REPLY_ROOM tokens of it), or at most --max-new-tokens
@@ -40,6 +42,7 @@ from .output import Stdout, bad_flag, fail
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 PROMPT = "> "
+COMMANDS = '/reset forgets the history, /exit (or Ctrl-D) ends the session; "//" sends a line that starts with "/"'
 # The room a reply keeps when --max-new-tokens is not given, at most a quarter of the context: Qwen3's
 # reasoning alone often takes hundreds of tokens, and older exchanges go before a reply is squeezed.
 REPLY_ROOM = 2048
@@ -134,10 +137,17 @@ def converse(model, tokenizer, args, out: Stdout) -> None:
     session = Session(model, tokenizer, args, out, conversation, dim=dim)
     typed = sys.stdin.isatty()  # a person types: show a prompt; piped lines get the replies only
     while (line := read_line(out, PROMPT if typed else "")) is not None and line.strip() != "/exit":
-        if line.strip() == "/reset":
+        command = line.strip()
+        if command == "/reset":
             conversation.exchanges.clear()
             print("[history cleared]", file=sys.stderr)
-        elif line.strip():
+        elif command == "/help":
+            print(f"[{COMMANDS}]", file=sys.stderr)
+        elif command.startswith("//"):
+            session.turn(line.replace("/", "", 1))
+        elif command.startswith("/"):
+            print(f"[unknown command {command.split()[0]}: {COMMANDS}]", file=sys.stderr)
+        elif command:
             session.turn(line)
 
 

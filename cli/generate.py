@@ -64,12 +64,18 @@ def sampling_flag(name: str, parse):
     return convert
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog=output.PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text; repeat it for a batch")
+def parse_args(argv=None, chat: bool = False) -> argparse.Namespace:
+    """The flags; chat: qwen3-chat's (a conversation, always): its own help, without the prompt flags."""
+    from . import chat as chat_mode
+
+    p = Parser(prog=output.PROG, description=chat_mode.__doc__ if chat else __doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    only_generate = argparse.SUPPRESS if chat else None  # hidden from qwen3-chat's help
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help=only_generate or "prompt text; repeat it for a batch")
     p.add_argument("--prompt-file", type=Path, metavar="FILE",
-                   help="a file with one prompt per line (blank lines skipped; - reads standard input), added to "
-                        "the batch after any --prompt")
+                   help=only_generate or "a file with one prompt per line (blank lines skipped; - reads standard "
+                                         "input), added to the batch after any --prompt")
     add_model_flags(p)
     p.add_argument("--norm", choices=IMPLS, default="auto",
                    help="RMSNorm implementation of every norm; auto: triton on CUDA, torch on the CPU (default: auto)")
@@ -106,23 +112,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="replay each decode step from a CUDA graph captured once (default: on with CUDA; "
                         "--no-cuda-graph runs the step eagerly)")
     p.add_argument("--tensor-parallel", action="store_true",
-                   help="split the model over the processes torchrun starts (torchrun --nproc-per-node N "
-                        "generate.py --tensor-parallel ...): one GPU each with NCCL, or CPU processes with gloo; "
-                        "rank 0 prints")
+                   help=only_generate or ("split the model over the processes torchrun starts (torchrun "
+                                          "--nproc-per-node N generate.py --tensor-parallel ...): one GPU each with "
+                                          "NCCL, or CPU processes with gloo; rank 0 prints"))
     # None until parsed: a flag the user gave is told apart from the default (see chat_note).
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap prompts in the tokenizer's chat template when it has one (default: on)")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="let the model think first (Qwen3's enable_thinking; default: on)")
     p.add_argument("--interactive", action="store_true",
-                   help="a conversation in the terminal (qwen3-chat): each line you type is a turn, the reply streams "
-                        "as it is made, the history kept across turns; /reset starts over, /exit or Ctrl-D ends, "
-                        "Ctrl-C stops a reply")
+                   help=only_generate or ("a conversation in the terminal (qwen3-chat): each line you type is a turn, "
+                                          "the reply streams as it is made, the history kept across turns; /reset "
+                                          "starts over, /exit or Ctrl-D ends, /help lists the commands, Ctrl-C stops a "
+                                          "reply"))
     args = p.parse_args(argv)
+    args.interactive |= chat
+    mode = "the chat" if chat else "--interactive"
     if args.interactive and (args.prompt or args.prompt_file):
-        p.error("--interactive reads its prompts from the terminal: drop --prompt and --prompt-file")
+        p.error(f"{mode} reads its prompts from the terminal: drop --prompt and --prompt-file")
     if args.interactive and args.tensor_parallel:
-        p.error("--interactive runs in one process: drop --tensor-parallel")
+        p.error(f"{mode} runs in one process: drop --tensor-parallel")
     if args.prompt and "" in args.prompt:
         p.error("--prompt must not be empty")
     if args.prompt_file:
@@ -320,14 +329,15 @@ def check_context(longest_prompt: int, max_new_tokens: int, context: int) -> Non
                  f"{context - longest_prompt} fit")
 
 
-def main(argv=None, prog: str = "generate.py") -> int:
+def main(argv=None, prog: str = "generate.py", chat: bool = False) -> int:
+    """The command; chat: qwen3-chat's (parse_args)."""
     output.PROG = prog
     if sys.stdout is None:  # started with stdout closed (`>&-`): the text has nowhere to go
         print(f"{output.PROG}: error: standard output is closed, so the text has nowhere to go", file=sys.stderr)
         return 1
     out = Stdout()
     try:
-        run(parse_args(argv), out)
+        run(parse_args(argv, chat), out)
         if dist.is_initialized():
             dist.destroy_process_group()
     except KeyboardInterrupt:

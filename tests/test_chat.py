@@ -23,7 +23,7 @@ from in_process import call_main
 from transformers import AutoTokenizer
 
 from cli import generate
-from cli.chat import Conversation, ReplyView, Session
+from cli.chat import COMMANDS, Conversation, ReplyView, Session
 from runtime.reasoning import Part, ReasoningSplitter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,6 +260,38 @@ def test_exit_ends_the_session_with_status_0(reference, run_cli):
                      stdin=b"x\n/exit\ny\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout == ended(reply)  # y, after /exit, is not read
+
+
+def test_a_mistyped_command_is_not_sent_and_help_lists_the_commands(reference, run_cli):
+    """/exti or /RESET: one line naming it, nothing sent to the model; /help lists the commands;
+    "//" sends a line that starts with "/" (one "/" less)."""
+    model_dir, model, tokenizer = reference
+    reply, _, _ = greedy(model, tokenizer, chat_text(tokenizer, ["/x"]), 4)
+    result = run_cli("--model", str(model_dir), "--interactive", "--temperature", "0", "--max-new-tokens", "4",
+                     stdin=b"/exti\n/RESET now\n/help\n//x\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ended(reply)  # the one line sent: "/x", as a first turn
+    lines = result.stderr.splitlines()
+    assert lines[:3] == [f"[unknown command /exti: {COMMANDS}]", f"[unknown command /RESET: {COMMANDS}]",
+                          f"[{COMMANDS}]"], result.stderr
+
+
+def test_qwen3_chat_has_its_own_help_and_names_itself_in_its_errors(capsys, monkeypatch):
+    """qwen3-chat's --help describes the conversation and lists no prompt flags; one given anyway is
+    refused in a line that does not name --interactive, a flag the user never typed."""
+    from cli import output
+
+    monkeypatch.setattr(output, "PROG", "qwen3-chat")
+    with pytest.raises(SystemExit) as exit:
+        generate.parse_args(["--help"], chat=True)
+    shown = capsys.readouterr().out
+    assert exit.value.code == 0 and shown.startswith("usage: qwen3-chat ") and "A conversation in the terminal" in shown
+    assert "--prompt" not in shown and "--interactive" not in shown.split("\n\n")[0]
+    with pytest.raises(SystemExit) as exit:
+        generate.parse_args(["--prompt", "x"], chat=True)
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "qwen3-chat: error: the chat reads its prompts from the terminal: drop --prompt and --prompt-file "
+        "(see --help)\n")
 
 
 @pytest.mark.parametrize("flags, why", [([], "{model} has no chat template"), (["--no-chat"], "--no-chat")])
