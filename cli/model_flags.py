@@ -30,7 +30,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 def find_checkpoint(model: str, revision: str | None, stop: Callable[[int], None]) -> Path:
     """The checkpoint directory --model names. ValueError, a bad flag's one line (status 2), when
     there is none: the default outside a checkout (installed from a wheel), no such directory or
-    repo, a repo offline and not in the cache. OSError when a download fails (status 1).
+    repo, a repo offline and not in the cache, a directory with no config.json. OSError when a
+    download fails (status 1).
 
     While a repo downloads, SIGINT and SIGTERM call stop(signal), which must end the process at once
     (os._exit): huggingface_hub answers Ctrl-C only once the files in flight have finished, minutes
@@ -42,9 +43,13 @@ def find_checkpoint(model: str, revision: str | None, stop: Callable[[int], None
     signals = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     before = {sig: signal.signal(sig, lambda sig, frame: stop(sig)) for sig in signals}
     try:
-        return resolve_checkpoint(model, revision)
+        checkpoint = resolve_checkpoint(model, revision)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"--model: {err}") from None
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+    if not (checkpoint / "config.json").is_file():
+        raise ValueError(f"--model: no model at {model}: it has no config.json (pass --model DIR with a Hugging "
+                         "Face Qwen3 checkpoint, or train one with scripts/train_tiny.py)")
+    return checkpoint

@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--engine-timeout must be > {2 * HEARTBEAT_S:g} s, got {args.engine_timeout:g}")
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        p.error("--served-model-name must not be empty (leave it out for the checkpoint's name)")
     return args
 
 
@@ -161,15 +163,15 @@ def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     here), the checkpoint's config.json and generation_config.json; each mistake is one line that
     names the file and the key (SystemExit). The tokenizer is checked as it loads (tokenizer_of), the
     weights in the engine process."""
-    try:
+    try:  # the flags' mistakes: status 2, as generate.py's
         device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except ValueError as err:
-        fail(f"--device: {err}")
+        bad_flag(f"--device: {err}")
     for flag, value, resolve in (("--norm", args.norm, resolve_impl), ("--kernels", args.kernels, resolve_kernels)):
         try:
             resolve(value, device)
         except ValueError as err:
-            fail(f"{flag} {value}: {err}")
+            bad_flag(f"{flag} {value}: {err}")
     args.checkpoint = find_checkpoint(args.model, args.revision)
     try:
         dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.checkpoint).dtype)

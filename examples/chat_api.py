@@ -24,8 +24,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000/v1")
     args = p.parse_args()
-    client = openai.OpenAI(base_url=args.url, api_key="none")
-    model = client.models.list().data[0].id
+    client = openai.OpenAI(base_url=args.url, api_key="none", max_retries=0)
+    try:
+        model = client.models.list().data[0].id
+    except openai.APIConnectionError:
+        raise SystemExit(f"chat_api.py: error: no server answers at {args.url}: start one first "
+                         "(python scripts/serve.py --chat-template examples/qwen3-chat-template.jinja)") from None
     thinking_off = {"chat_template_kwargs": {"enable_thinking": False}}
     common = dict(model=model, temperature=0, max_tokens=60, extra_body=thinking_off)
 

@@ -66,6 +66,10 @@ def check_request(request: Request, limits: Limits) -> None:
     ids = request.prompt_ids  # checked on the server's event loop for every request: C loops, not a genexpr
     if not (all(map(isinstance, ids, itertools.repeat(int))) and 0 <= min(ids) and max(ids) < limits.vocab_size):
         raise ParameterError("prompt", f"prompt token ids must be integers in [0, {limits.vocab_size})")
+    blocks = -(-(n + 1) // limits.block_size)  # the prompt and one token: a prompt too long for the cache
+    if blocks > limits.n_blocks:
+        raise ParameterError("prompt", f"the prompt's {n} tokens and one generated need {blocks} KV-cache blocks of "
+                             f"{limits.block_size} tokens; the cache has {limits.n_blocks}")
     blocks = -(-(n + request.max_tokens) // limits.block_size)
     if blocks > limits.n_blocks:
         raise ParameterError("max_tokens", f"the request needs {blocks} KV-cache blocks of {limits.block_size} "

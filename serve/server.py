@@ -176,6 +176,8 @@ class Server:
             if param == "max_tokens":  # the prompt alone too long for the context is the prompt's fault
                 param = fields[0] if len(prompt_ids) >= self.max_len else fields[1]
                 message = message.replace("max_tokens", fields[1])
+            elif param == "prompt":  # a chat's prompt is its messages
+                param = fields[0]
             raise OpenAIError(400, message, param=param) from None
         return request
 

@@ -240,8 +240,12 @@ def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model)
     ctx = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"maximum context length is {ctx} tokens.*requested {ctx + 1} tokens"):
         engine.check(Request([1] * (ctx - 9), 10))
-    with pytest.raises(ValueError, match="needs 9 KV-cache blocks"):
+    with pytest.raises(ValueError, match="needs 9 KV-cache blocks") as refused:
         engine.check(Request([1] * 30, 6))
+    assert refused.value.param == "max_tokens"  # the prompt fits: what it asks to generate does not
+    with pytest.raises(ValueError, match="the prompt's 32 tokens and one generated need 9 KV-cache blocks") as refused:
+        engine.check(Request([1] * 32, 1))
+    assert refused.value.param == "prompt"
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.check(Request([], 6))
     vocab = model.config.vocab_size

@@ -13,6 +13,8 @@ from servers import SHIPPED, load_serve_py
     (["--threads", "0"], "serve.py: error: --threads must be >= 1, got 0 (see --help)"),
     (["--shutdown-timeout", "-1"], "serve.py: error: --shutdown-timeout must be >= 0, got -1 (see --help)"),
     (["--engine-timeout", "1"], "serve.py: error: --engine-timeout must be > 2 s, got 1 (see --help)"),
+    (["--served-model-name", " "],
+     "serve.py: error: --served-model-name must not be empty (leave it out for the checkpoint's name) (see --help)"),
     (["--max-batch", "0"], "serve.py: error: --max-batch, --block-size and --prefill-tokens must be >= 1, "
                            "--max-waiting >= 0 (see --help)"),
 ])
@@ -48,11 +50,19 @@ def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
         assert says in str(exit.value.code) and "\n" not in str(exit.value.code)
 
 
-def test_an_unknown_device_ends_serve_py_with_one_line():
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu"], "--device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"),
+    (["--model", str(SHIPPED.parent)], f"--model: no model at {SHIPPED.parent}: it has no config.json (pass --model "
+                                       "DIR with a Hugging Face Qwen3 checkpoint, or train one with "
+                                       "scripts/train_tiny.py)"),
+])
+def test_a_flag_naming_no_device_or_no_model_ends_serve_py_with_one_line(flags, message, capsys):
+    """As generate.py's: one line, status 2 (a flag's mistake), before anything loads."""
     serve = load_serve_py()
     with pytest.raises(SystemExit) as exit:
-        serve.check_model(serve.parse_args(["--device", "tpu"]))
-    assert exit.value.code == "serve.py: error: --device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"
+        serve.check_model(serve.parse_args(flags))
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"serve.py: error: {message} (see --help)"]
 
 
 def test_a_port_in_use_ends_serve_py_with_one_line():

@@ -255,8 +255,9 @@ def half(name: str) -> bytes:
 
 
 BAD_TEMPERATURE = json.dumps({**json.loads((SHIPPED / "generation_config.json").read_text()), "temperature": -1})
-DAMAGED = [  # (file, its new content, what the one line says after "cannot load DIR: ", DIR/ standing for DIR)
-    ("config.json", None, "no config.json at DIR/config.json"),
+# (file, its new content, what the one line says after "cannot load DIR: ", DIR/ standing for DIR); a
+# directory without config.json is no model at all, a flag's mistake (test_serve_flags.py)
+DAMAGED = [
     ("config.json", half("config.json"), "DIR/config.json is not valid JSON: "),
     ("generation_config.json", half("generation_config.json"), "DIR/generation_config.json is not valid JSON: "),
     ("generation_config.json", BAD_TEMPERATURE.encode(),
