@@ -66,7 +66,7 @@ class LogprobsWriter:
         names, entries = self.names, []
         for token, (logprob, ids, values) in zip(token_ids, logprobs):
             _, _, head, raw = names(token)
-            top = ", ".join([f"{names(i)[2]}{number(v)}{names(i)[3]}}}" for i, v in zip(ids, values)])
+            top = ", ".join([f"{entry[2]}{number(v)}{entry[3]}}}" for entry, v in zip(map(names, ids), values)])
             entries.append(f'{head}{number(logprob)}{raw}, "top_logprobs": [{top}]}}')
         return RawJSON(f'{{"content": [{", ".join(entries)}]}}')
 
