@@ -26,9 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-# Matchers per thread when tokens are accepted in parallel, at least: fewer are not worth a thread's wake-up.
-ACCEPT_CHUNK = 8
-
 
 def mask_words(vocab_size: int) -> int:
     """int32 words of one row's mask."""
@@ -87,41 +84,32 @@ class Matcher:
 class Grammars:
     """Compiles specs for one tokenizer (xgrammar caches each spec's compiled grammar), one at a
     time in a worker thread (each by xgrammar's threads), so that a step never waits for a
-    compilation; moves and reads many matchers at once, the masks written by a pool of threads
-    (xgrammar's, outside the GIL)."""
+    compilation; moves and reads many matchers at once, on the caller's thread.
 
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+    One thread writes a step's masks by default: xgrammar's batch fill with 2-8 threads took
+    1.5-2x as long as with one for 64 rows of JSON schemas on a 2-core host (its threads' hand-offs
+    cost more than a row's ~20 us mask; scripts/bench_grammar.py compares, on any host), and
+    accepting a token holds the GIL (~12 us a row), so threads would only contend there."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], fill_threads: int = 1):
         """The tokenizer's vocabulary is read (a second for Qwen3's 151k tokens) in the worker
-        thread, before the first compilation, not by the caller."""
+        thread, before the first compilation, not by the caller. fill_threads: xgrammar's, for
+        a step's masks."""
         import xgrammar
 
-        threads = min(8, os.cpu_count() or 1)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen3-grammar")
         self.compiler = self.worker.submit(lambda: xgrammar.GrammarCompiler(
             xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids),
-            max_threads=threads))
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
-        # Accepting a token walks the grammar by each of its characters (tens of microseconds for
-        # a long one): the matchers are split among threads, each outside the GIL in xgrammar.
-        self.threads = threads
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qwen3-grammar-accept")
+            max_threads=min(8, os.cpu_count() or 1)))
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=fill_threads)
 
     def matcher(self, spec: str) -> Matcher:
         return Matcher(self.worker.submit(lambda: self.compiler.result().compile_structural_tag(spec)))
 
     def accept(self, matchers: list[Matcher], tokens: list[int]) -> None:
         """Each matcher moves on by its token; one that does not allow it stays, `rejected`."""
-        import xgrammar
-
-        def take(lo: int, hi: int) -> list[bool]:
-            return xgrammar.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers[lo:hi]], tokens[lo:hi])
-
-        n = len(matchers)
-        size = max(ACCEPT_CHUNK, -(-n // self.threads))
-        chunks = [(lo, min(lo + size, n)) for lo in range(0, n, size)]
-        taken = take(0, n) if len(chunks) == 1 else sum(self.pool.map(lambda c: take(*c), chunks), [])
-        for matcher, ok in zip(matchers, taken):
-            matcher.rejected |= not ok
+        for matcher, token in zip(matchers, tokens):
+            matcher.rejected |= not matcher.state.accept_token(token)
 
     def fill(self, matchers: list[Matcher], words: torch.Tensor) -> None:
         """words[i] (a host int32 tensor's row): the tokens matchers[i] allows next; every token

@@ -33,7 +33,15 @@ from runtime.text import load_tokenizer  # noqa: E402
 from serve.constraints import json_format  # noqa: E402
 from serve.engine import Engine, Request  # noqa: E402
 
-SHIPPED = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "weights" / "qwen3-stdlib-tiny"
+# Qwen3's tokenizer holds 151,669 tokens (its 151,936 logits pad the rest). A grammar's costs grow
+# with the vocabulary it checks (a mask walks the tokens its state cannot decide beforehand) and
+# with the ids it must treat as special (xgrammar checks each accepted token against them: 28 us a
+# token with the shipped 4,096 padded to 151,936, 1 us unpadded), so a benchmark at a real config
+# needs a tokenizer of that size: a byte-level BPE trained to it on Python source (the standard
+# library's, torch's and transformers': enough distinct text for that many tokens).
+QWEN3_TOKENS = 151669
 WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "north", "south", "yes", "no"]
 
 
@@ -57,6 +65,29 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     properties = {name: value(depth) for name in names}
     required = [name for name in names if rng.random() < 0.6]
     return {"type": "object", "properties": properties, "required": required}
+
+
+def qwen3_sized_tokenizer():
+    """A byte-level BPE of QWEN3_TOKENS tokens, trained on the Python source of the standard
+    library, torch and transformers installed here (~30 s) the first time and kept in weights/
+    (git ignores it)."""
+    import sysconfig
+
+    import transformers
+
+    out = ROOT / "weights" / f"bench-tokenizer-{QWEN3_TOKENS}"
+    if not (out / "tokenizer.json").exists():
+        from train_tiny import EOT, read, train_tokenizer  # scripts/ is on a script's path
+
+        roots = [Path(sysconfig.get_paths()["stdlib"]), Path(torch.__file__).parent, Path(transformers.__file__).parent]
+        files = sorted(f for root in roots for f in root.rglob("*.py")
+                       if "site-packages" not in f.relative_to(root).parts)
+        wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(read(files), QWEN3_TOKENS),
+                                                       eos_token=EOT)
+        if len(wrapped) != QWEN3_TOKENS:
+            raise RuntimeError(f"the corpus gives {len(wrapped)} tokens, not {QWEN3_TOKENS}")
+        wrapped.save_pretrained(out)
+    return load_tokenizer(out)
 
 
 def run(engine: Engine, requests: list[Request]) -> tuple[list[str], list[str], list[int], float]:
@@ -121,7 +152,7 @@ def main(argv=None) -> None:
     import jsonschema
 
     device = torch.device(args.device)
-    tokenizer = load_tokenizer(SHIPPED)
+    tokenizer = qwen3_sized_tokenizer() if args.config else load_tokenizer(SHIPPED)
     model = load(args.config, device)
     rng = random.Random(args.seed)
     schemas = [random_schema(rng) for _ in range(args.requests)]

@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu_pass.sh OUT [tests] [gpu-tests] [sampler-tests] [bench] [decode-0.6b] [decode-8b]
 #                                  [decode-30b-a3b] [decode-kept] [sampled-decode] [serve] [serve-levels] [serve-256]
-#                                  [serve-logprobs] [structured] [structured-8b]
+#                                  [serve-logprobs] [grammar] [structured] [structured-8b]
 #                                  [scenarios] [engine] [server-loop] [tp]
 #                                  [extend-attention] [long-prompts] [long-prompts-8b] [multi-turn-8b]
 #                                  [fp8-linear] [fp8-tests] [decode-0.6b-fp8] [decode-8b-fp8] [decode-30b-a3b-fp8]
@@ -33,6 +33,8 @@
 # decode-kept: ours alone (no transformers) at batch 1 and 64 for 0.6b, 8b and 30b-a3b, into
 #        OUT/decode-kept.json: the decode levels kept, in one process (about six minutes).
 # serve-256: scripts/bench_serve.py at 256 clients only, greedy, into OUT/serve-256.json (about a minute).
+# grammar: scripts/bench_grammar.py, the grammars' host cost per step at 64 rows without a model, by xgrammar's
+#        fill threads (Grammars fills on one; this checks that choice on this host), into OUT/grammar.log (about a minute).
 # structured: scripts/bench_structured.py at the 0.6B config: 64 requests at once, each constrained to a
 #        random JSON schema, against the same 64 unconstrained, into OUT/structured-0.6b.log (about a minute);
 #        structured-8b: the same at the 8B config.
@@ -149,6 +151,9 @@ for stage in $stages; do
           --server-log "$out/server-logprobs-$lp.log" > "$out/serve-logprobs-$lp.log" 2>&1
         grep '^{' "$out/serve-logprobs-$lp.log"
       done ;;
+    grammar)
+      timeout 200 python scripts/bench_grammar.py --fill-threads 1 2 4 8 --repeats 2 > "$out/grammar.log" 2>&1
+      grep '^{' "$out/grammar.log" ;;
     structured|structured-8b)
       config=$([ "$stage" = structured ] && echo 0.6b || echo 8b)
       timeout 300 python scripts/bench_structured.py --config $config --requests 64 --output 256 \

@@ -25,7 +25,7 @@ Constrained decoding (a request's `grammar`: runtime/grammar.py): its sequence's
 tokens is written before each of its steps' choice, and the step chooses among them. The mask
 needs the token before, known on the host only once the step before has run: so a decode step
 with constrained rows launches its forward first, then waits for the previous step's tokens,
-hands the constrained sequences' to their grammars and writes their masks (xgrammar's threads)
+hands the constrained sequences' to their grammars and writes their masks
 while the GPU runs that forward, then launches the choice (as SGLang overlaps grammars). A
 constrained sequence whose prefill has just launched joins the decode steps one step later.
 

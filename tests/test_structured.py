@@ -23,7 +23,7 @@ from servers import NAME, REQUEST_TIMEOUT_S, SHIPPED, error_of, serving, with_ch
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
-from runtime.grammar import structural_tag
+from runtime.grammar import Grammars, allow, mask_words, structural_tag
 from runtime.sampling import SamplingParams
 from runtime.text import load_tokenizer
 from serve.constraints import json_format, reasoning_of, response_grammar, tool_grammar
@@ -97,6 +97,40 @@ def alone(model, prompt, n):
     out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=n, eos_token_id=[], temperature=0.0,
                          repetition_penalty=1.0)  # the engine request's: no penalty (the checkpoint has one)
     return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("fill_threads", [1, 3])
+def test_the_masks_of_a_step_are_each_grammars_own(tokenizer, compiler, fill_threads):
+    """Grammars filling on one thread and on three write, for 13 requests walking their schemas
+    (random allowed tokens, some ending early), each row's mask exactly as a matcher of xgrammar's
+    own fed the same tokens, and every token for a request whose grammar has ended."""
+    schemas = [random_schema(random.Random(seed)) for seed in range(13)]
+    specs = [structural_tag(json_format(schema)) for schema in schemas]
+    grammars = Grammars(tokenizer, 4096, [0], fill_threads=fill_threads)
+    matchers = [grammars.matcher(spec) for spec in specs]
+    for m in matchers:
+        assert m.ready(60.0)
+        m.start()
+    own = [xgrammar.GrammarMatcher(compiler.compile_structural_tag(spec)) for spec in specs]
+    words = torch.zeros(len(specs), mask_words(4096), dtype=torch.int32)
+    expected = xgrammar.allocate_token_bitmask(1, 4096)
+    generator = torch.Generator().manual_seed(0)
+    ended = 0
+    for _ in range(40):
+        grammars.fill(matchers, words)
+        for i, (m, reference) in enumerate(zip(matchers, own)):
+            if m.terminated:
+                assert (words[i] == -1).all()
+            else:
+                reference.fill_next_token_bitmask(expected, 0)
+                assert torch.equal(words[i], expected[0])
+        tokens = allow(torch.rand(len(specs), 4096, generator=generator), words).argmax(-1).tolist()
+        live = [i for i, m in enumerate(matchers) if not m.terminated]
+        grammars.accept([matchers[i] for i in live], [tokens[i] for i in live])
+        for i in live:
+            assert own[i].accept_token(tokens[i]) and not matchers[i].rejected
+        ended = sum(m.terminated for m in matchers)
+    assert 0 < ended < len(specs)  # both kinds of row were seen
 
 
 @pytest.fixture(scope="module")
