@@ -9,7 +9,8 @@ GEMM at 2-64 (activations quantized per 128 columns), and dequantize-then-cuBLAS
 line: microseconds per product (median over CUDA-graph replays of 8 products on different
 weights, so that none is read from L2 and no launch gap counts), GB/s of weight bytes, that as a
 fraction of the measured copy bandwidth, and the FP8 result's relative error against F.linear of
-the dequantized weight in fp32 (the w8a8 path's includes the activations' rounding).
+the dequantized weight in fp32 (the w8a8 path's includes the activations' rounding). At one row
+also `w8a8`: the skinny GEMM with FP8 activations, as 2-64 rows run (a candidate for one row).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from bench_generate import copy_bandwidth_GBps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops.linear.skinny_gemm import skinny_linear  # noqa: E402
 from qwen3.fp8 import dequantize, quantize  # noqa: E402
 from qwen3.layers import linear  # noqa: E402
 
@@ -75,10 +77,20 @@ def main() -> None:
             x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
             exact = F.linear(x.float(), dequantize(fp8[0].weight, fp8[0].weight_scale_inv, BLOCK, torch.float32))
             error = ((linear(fp8[0], x, True).float() - exact).norm() / exact.norm()).item()
-            for label, layers, nbytes in (("bf16", bf16, 2 * N * K), ("fp8", fp8, N * K)):
-                us = graph_us(lambda i: linear(layers[i], x, True))
+
+            def w8a8(i):
+                return skinny_linear(x, fp8[i].weight, scale=fp8[i].weight_scale_inv, block=BLOCK,
+                                     fp8_activations=True)
+
+            w8a8_error = ((w8a8(0).float() - exact).norm() / exact.norm()).item()
+            variants = [("bf16", lambda i: linear(bf16[i], x, True), 2 * N * K, None),
+                        ("fp8", lambda i: linear(fp8[i], x, True), N * K, error)]
+            if rows == 1:
+                variants.append(("w8a8", w8a8, N * K, w8a8_error))
+            for label, fn, nbytes, err in variants:
+                us = graph_us(fn)
                 gbps = nbytes / us / 1e3
-                note = f"  rel.err {error:.1e}" if label == "fp8" else ""
+                note = f"  rel.err {err:.1e}" if err is not None else ""
                 print(f"{name:8} {N:5}x{K:<5} rows {rows:4} {label:5} {us:8.1f} us {gbps:6.0f} GB/s "
                       f"{gbps / copy:5.2f} of copy{note}", flush=True)
 
