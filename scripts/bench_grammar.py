@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench_structured, also when loaded by a test
 from bench_structured import SHIPPED, qwen3_sized_tokenizer, random_schema  # noqa: E402
 
 from runtime.grammar import Grammars, allow, mask_words, structural_tag  # noqa: E402

@@ -302,3 +302,14 @@ def test_a_grammar_the_server_cannot_follow_is_a_400_naming_the_field(server, fi
     r = httpx.post(f"{server}/v1/chat/completions", timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields})
     assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+
+
+def test_bench_grammar_times_each_variant_of_the_same_walk(capsys):
+    """scripts/bench_grammar.py: one line per fill-thread count and repeat, each over the same walk
+    (the same steps and rows), with every time measured."""
+    load_script("bench_grammar").main(["--shipped", "--rows", "6", "--steps", "8", "--fill-threads", "1", "2",
+                                       "--repeats", "2"])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["fill_threads"] for line in lines] == [1, 2, 1, 2]
+    assert len({(line["steps"], line["live_rows_per_step"]) for line in lines}) == 1
+    assert all(line["fill_ms"] > 0 and line["accept_ms"] > 0 and line["tokenizer"] == 4096 for line in lines)
