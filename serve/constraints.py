@@ -98,7 +98,8 @@ UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "dependentRequired", "
 def unenforced(schema, path: str = "") -> str | None:
     """What of a JSON schema the grammar would not enforce, in a sentence naming where, or None:
     one of UNENFORCED, allOf of several schemas, a $ref outside the document, a required property
-    the schema does not describe, an empty anyOf / oneOf / enum (nothing could match)."""
+    the schema does not describe, an empty anyOf / oneOf / enum (nothing could match), one of
+    those keywords not an array (xgrammar does not read a subschema that nothing refers to)."""
     if isinstance(schema, list):
         return next((found for i, item in enumerate(schema) if (found := unenforced(item, f"{path}[{i}]"))), None)
     if not isinstance(schema, dict):
@@ -107,6 +108,11 @@ def unenforced(schema, path: str = "") -> str | None:
     for key in UNENFORCED:
         if key in schema:
             return f"{here} uses {key!r}, which constrained decoding does not enforce"
+    for key in ("allOf", "anyOf", "oneOf", "enum", "required"):  # xgrammar skips what nothing refers to
+        if key in schema and not isinstance(schema[key], list):
+            return f"{here} has {key!r} of {type(schema[key]).__name__}, where JSON Schema wants an array"
+    if not all(isinstance(name, str) for name in schema.get("required", [])):
+        return f"{here} has 'required' names that are not strings"
     if len(schema.get("allOf", [])) > 1:
         return f"{here} uses 'allOf' of several schemas, which constrained decoding does not enforce"
     ref = schema.get("$ref")

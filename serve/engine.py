@@ -1,8 +1,8 @@
 """Continuous batching over a paged KV cache: the serving engine behind serve/server.py.
 
 Requests join and leave the running batch between decode steps. Each engine step:
-1. applies what other threads asked (new requests, cancellations): a cancelled sequence's
-   blocks return to the cache at once;
+1. applies the cancellations asked since the last step (from any thread): a cancelled
+   sequence's blocks return to the cache at once;
 2. launches the prefills that the scheduler chooses (serve/scheduler.py: admission with prefix
    caching, chunked prefill, growth and preemption), packed into as few forwards as the prefill
    graphs hold; the chunk that ends a prompt samples its first token on the device;
@@ -33,15 +33,14 @@ On CUDA both forwards replay CUDA graphs of batch-size and token-count buckets (
 the CPU runs them eagerly: the CPU tests exercise the eager paths, the graphed ones need a GPU.
 
 The engine owns the model; whoever calls `step` drives it (the server's engine process,
-serve/engine_process.py; tests, by hand). `submit` and `cancel` are safe to call from any
-thread (they queue for the next step), and outputs reach each request through its `on_output`
-callback, called during `step`.
+serve/engine_process.py; tests, by hand) and adds requests (`add`, on that thread); `cancel` is
+safe to call from any thread (it queues for the next step), and outputs reach each request
+through its `on_output` callback, called during `step`.
 """
 
 import itertools
 import queue
 import sys
-import threading
 import time
 import traceback
 from collections import deque
@@ -60,12 +59,12 @@ from runtime.sampler import Sampler, random_seed
 from runtime.text import TextStream
 
 from . import steps
-from .request import Limits, Output, QueueFull, Request, check_request
+from .request import Limits, Output, Request, check_request
 from .scheduler import PREFILL_TOKENS, Chunk, Scheduler
 from .sequence import Sequence
 from .steps import DecodeStep, PrefillStep
 
-__all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "QueueFull", "Request", "check_request"]
+__all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "Request", "check_request"]
 
 @dataclass
 class LaunchedStep:
@@ -83,9 +82,8 @@ class Engine:
 
     n_blocks: KV-cache blocks of block_size tokens (default: every batch row can hold 2048
         tokens, or the context if shorter).
-    max_batch: sequences decoded together at most.
-    max_waiting: requests that may wait beyond a full batch: `submit` raises QueueFull when
-        max_batch + max_waiting requests are already in (running or waiting).
+    max_batch: sequences decoded together at most (more wait in the queue; the server bounds the
+        queue: serve/engine_process.py).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
     prefill_tokens, attention_cost, prefix_cache: the scheduler's (serve/scheduler.py): the prompt
         tokens prefilled per step (chunked prefill), what a key that a token attends to costs beside
@@ -94,7 +92,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
-                 max_batch: int = 16, max_waiting: int = 256, cuda_graph: bool | None = None,
+                 max_batch: int = 16, cuda_graph: bool | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, prefix_cache: bool = True,
                  attention_cost: float | None = None):
         if prefill_tokens < 1:
@@ -107,7 +105,7 @@ class Engine:
         if n_blocks is None:
             n_blocks = max_batch * -(-min(self.max_len, 2048) // block_size)
         self.cache = PagedKVCache.for_model(model, n_blocks, block_size)
-        self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.max_batch = max_batch
         self.attention_cost = steps.attention_cost(config) if attention_cost is None else attention_cost
         self.scheduler = Scheduler(self.cache, max_batch, table_width, prefill_tokens=prefill_tokens,
                                    attention_cost=self.attention_cost, prefix_cache=prefix_cache)
@@ -130,9 +128,7 @@ class Engine:
 
         self.sequences: dict[int, Sequence] = {}  # every unfinished sequence, by id
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", Sequence) | ("cancel", id)
-        self._lock = threading.Lock()
-        self._in_flight = 0  # submitted and not finished: the queue bound counts these
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()  # ids of sequences to stop at the next step
         self.peak_running = 0  # the largest batch decoded so far
         # Prefills and decode steps launched whose tokens are not read yet, in launch order (a
         # sequence's prefill before its first decode step).
@@ -171,36 +167,27 @@ class Engine:
         if request.grammar is not None and self.tokenizer is None:
             raise ValueError("a grammar needs the engine's tokenizer (Engine(model, tokenizer))")
 
-    def submit(self, request: Request, on_output: Callable[[Output], None] | None = None) -> int:
-        """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound."""
-        self.check(request)
-        with self._lock:
-            if self._in_flight >= self.max_batch + self.max_waiting:
-                raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
-                                "try again later")
-            self._in_flight += 1
-        try:
-            seq = self._new_sequence(request, on_output)
-        except BaseException:
-            with self._lock:
-                self._in_flight -= 1
-            raise
-        self._inbox.put(("add", seq))
-        return seq.id
-
     def cancel(self, seq_id: int) -> None:
         """Stop a request (a client went away): its blocks are freed at the engine's next step."""
-        self._inbox.put(("cancel", seq_id))
+        self._cancels.put(seq_id)
 
     # ---- the thread that steps ----------------------------------------------------------------
 
     def add(self, request: Request, on_output: Callable[[Output], None] | None = None) -> Sequence:
         """Queue a request from the thread that steps the engine."""
         self.check(request)
-        with self._lock:
-            self._in_flight += 1
-        seq = self._new_sequence(request, on_output)
-        self._enqueue(seq)
+        seq = Sequence(
+            id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
+            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos,
+            seed=request.seed if request.seed is not None else random_seed(),
+            stream=TextStream(self.tokenizer) if self.tokenizer is not None else None,
+        )
+        if request.grammar is not None:
+            if self.grammars is None:
+                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos))
+            seq.matcher = self.grammars.matcher(request.grammar)
+        self.sequences[seq.id] = seq
+        self.scheduler.add(seq)
         return seq
 
     def abort_all(self) -> None:
@@ -210,11 +197,11 @@ class Engine:
             self._finish(seq, "error")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight or not self._inbox.empty())
+        return bool(self.waiting or self.running or self.in_flight or not self._cancels.empty())
 
     @torch.inference_mode()
     def step(self) -> None:
-        self._drain_inbox()
+        self._drain_cancels()
         previous, self.in_flight = self.in_flight, []
         self._launch_prefills()
         self._launch_decode(previous)
@@ -230,34 +217,14 @@ class Engine:
                 raise TimeoutError(f"requests still running after {timeout_s} s")
             self.step()
 
-    def _new_sequence(self, request: Request, on_output) -> Sequence:
-        """A sequence of host-side state only: any thread may make one (in submit); its device
-        state is made on the thread that steps the engine, in _enqueue."""
-        return Sequence(
-            id=next(self._ids), request=request, ids=list(request.prompt_ids), on_output=on_output,
-            eos=set(request.eos_ids) if request.eos_ids is not None else self.eos,
-            seed=request.seed if request.seed is not None else random_seed(),
-            stream=TextStream(self.tokenizer) if self.tokenizer is not None else None,
-        )
-
-    def _enqueue(self, seq: Sequence) -> None:
-        if seq.request.grammar is not None:
-            if self.grammars is None:
-                self.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, sorted(self.eos))
-            seq.matcher = self.grammars.matcher(seq.request.grammar)
-        self.sequences[seq.id] = seq
-        self.scheduler.add(seq)
-
-    def _drain_inbox(self) -> None:
+    def _drain_cancels(self) -> None:
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                seq_id = self._cancels.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._enqueue(item)
-            elif item in self.sequences:  # a cancel of a sequence not yet finished
-                self._finish(self.sequences[item], "cancelled")
+            if seq_id in self.sequences:  # not finished yet
+                self._finish(self.sequences[seq_id], "cancelled")
 
     def _launch_prefills(self) -> None:
         """Launch the prefills that the scheduler chooses for this step (Scheduler.prefills), a
@@ -432,8 +399,6 @@ class Engine:
         the batch or the queue, send the rest of its text."""
         self.scheduler.release(seq)
         self.sequences.pop(seq.id, None)
-        with self._lock:
-            self._in_flight -= 1
         seq.finish_reason = reason
         self._emit(seq, seq.text[seq.sent :], [token] if token is not None else [], reason, logprobs)
         seq.sent = len(seq.text)

@@ -87,7 +87,7 @@ def build_engine(spec: EngineSpec) -> Engine:
                                              kernels=spec.kernels, quantization=spec.quantization, progress=False)
     n_blocks = spec.n_blocks or default_blocks(model, device, spec.max_batch, spec.block_size)
     return Engine(model, tokenizer, n_blocks=n_blocks, block_size=spec.block_size, max_batch=spec.max_batch,
-                  max_waiting=spec.max_waiting, cuda_graph=spec.cuda_graph, prefill_tokens=spec.prefill_tokens,
+                  cuda_graph=spec.cuda_graph, prefill_tokens=spec.prefill_tokens,
                   prefix_cache=spec.prefix_cache)
 
 

@@ -2,6 +2,7 @@
 
     engine = EngineProcess(EngineSpec(model_dir, ...))   # starts the process, loads the model there
     engine.start(on_death)                               # the threads that send requests and receive outputs
+    engine.check(request)                                # ValueError naming the field if it can never run
     seq_id = engine.submit(request, on_output)           # on_output(Output) per event, on that thread
     engine.cancel(seq_id); stats = await engine.stats(); engine.stop()
 
@@ -38,8 +39,9 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from .engine import Limits, Output, QueueFull, Request, check_request
+from .engine import Limits, Output, Request, check_request
 from .engine_loop import HEARTBEAT_S, STOP_SIGNALS, EngineSpec, serve_engine
+from .request import QueueFull
 
 __all__ = ["ANSWER_TIMEOUT_S", "HEARTBEAT_S", "EngineDead", "EngineProcess", "EngineSpec", "describe_exit"]
 
@@ -182,17 +184,12 @@ class EngineProcess:
         """The engine process's id."""
         return self._process.pid
 
-    @property
-    def alive(self) -> bool:
-        return self.death is None
-
     def check(self, request: Request) -> None:
         check_request(request, self.limits)
 
     def submit(self, request: Request, on_output: Callable[[Output], None]) -> int:
-        """Queue a request; returns its id. ValueError if it can never run, QueueFull past the bound,
+        """Queue a request that `check` has passed; returns its id. QueueFull past the bound,
         EngineDead once the process has ended."""
-        check_request(request, self.limits)
         if len(self._callbacks) >= self.max_batch + self.max_waiting:
             raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
                             "try again later")

@@ -67,7 +67,7 @@ from runtime.sampling import sampling_params
 from runtime.text import TokenPieces
 
 from .choices import Choice, arrivals
-from .engine import Output, QueueFull
+from .engine import Output
 from .engine import Request as EngineRequest
 from .engine_process import EngineDead, EngineProcess
 from .interpreter import frozen_heap, short_switch_interval
@@ -76,6 +76,7 @@ from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .prompts import chat_prompt, completion_prompt, off_the_loop_if_long, reasoning_block, reply_grammar, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, SamplingFields, parse
 from .reply import ReplyParser
+from .request import QueueFull
 from .streams import EventStream, Outbox, Outputs, event
 
 RETRY_AFTER_S = 1  # a 429's Retry-After: the queue moves by whole requests, each a second or so

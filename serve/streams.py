@@ -33,8 +33,9 @@ class Outputs:
             self.outbox.notify(self)
 
     async def take(self) -> Output:
-        """Every output that arrived since the last take, merged into one (waits for one)."""
-        while not self.items:
+        """Every output that arrived since the last take, merged into one: waits for one, or with
+        each=False for the last (those before it may have arrived before the first take)."""
+        while not self.items or not (self.each or self.items[-1].finish_reason is not None):
             await self.ready.wait()
             self.ready.clear()
         first = self.items.popleft()

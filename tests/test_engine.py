@@ -13,7 +13,7 @@ from conftest import DEVICE, requires_cuda, use_path
 from qwen3 import Qwen3ForCausalLM
 from runtime.sampling import SamplingParams
 from runtime.text import load_tokenizer
-from serve.engine import Engine, QueueFull, Request
+from serve.engine import Engine, Request
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,8 +235,8 @@ def test_stop_tokens_and_strings():
     assert engine.free_blocks == 32
 
 
-def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model):
-    engine = Engine(model, max_batch=1, n_blocks=8, block_size=4, max_waiting=1)
+def test_requests_that_can_never_run_are_refused(model):
+    engine = Engine(model, max_batch=1, n_blocks=8, block_size=4)
     ctx = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"maximum context length is {ctx} tokens.*requested {ctx + 1} tokens"):
         engine.check(Request([1] * (ctx - 9), 10))
@@ -252,14 +252,9 @@ def test_requests_that_can_never_run_are_refused_and_the_queue_is_bounded(model)
     for ids in ([1, vocab], [-1, 2], [1.0, 2], torch.tensor([1, 2])):  # a tensor: its elements are not ints
         with pytest.raises(ValueError, match=rf"prompt token ids must be integers in \[0, {vocab}\)"):
             engine.check(Request(ids, 4))
-    with pytest.raises(ValueError, match="seed must be an integer in"):  # refused before it takes a queue place
-        engine.submit(Request([1, 2], 4, seed=2**64))
-    engine.submit(Request([1, 2], 4))  # one runs
-    engine.submit(Request([1, 2], 4))  # one waits
-    with pytest.raises(QueueFull, match="1 requests are running and 1 already waiting"):
-        engine.submit(Request([1, 2], 4))
-    engine.run(timeout_s=30)
-    assert engine.free_blocks == 8
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        engine.add(Request([1, 2], 4, seed=2**64))
+    assert not engine.has_work()  # nothing was queued
 
 
 def test_a_client_callback_that_raises_ends_only_its_own_request(model):

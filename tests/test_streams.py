@@ -50,3 +50,22 @@ def test_a_request_that_is_not_streamed_wakes_the_loop_once_by_its_last_output()
         assert woken == [1]
 
     asyncio.run(main())
+
+
+def test_a_request_that_is_not_streamed_gets_its_whole_answer_when_parts_came_before_it_looked():
+    """each=False, under load: outputs that arrived before the request first takes are not its
+    answer; take waits for the last and returns everything, finish reason included."""
+    from serve.engine import Output
+    from serve.streams import Outbox, Outputs
+
+    async def main():
+        outputs = Outputs(Outbox(asyncio.get_running_loop()), each=False)
+        outputs.put(Output("ab", [0, 1], None, 2, 2))  # before the handler's first take
+        taking = asyncio.ensure_future(outputs.take())
+        await asyncio.sleep(0.05)
+        assert not taking.done()
+        await asyncio.to_thread(outputs.put, Output("c", [2], "stop", 2, 3))
+        merged = await asyncio.wait_for(taking, timeout=5)
+        assert (merged.text, merged.token_ids, merged.finish_reason) == ("abc", [0, 1, 2], "stop") and outputs.done
+
+    asyncio.run(main())

@@ -277,6 +277,10 @@ UNENFORCED_SCHEMAS = [  # what xgrammar would not enforce: output that fails the
     {"anyOf": []},
     {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
     {"allOf": [{"type": "object"}, {"required": ["a"], "properties": {"a": {}}}]},
+    # malformed where xgrammar does not look (a definition nothing refers to)
+    {"type": "object", "$defs": {"u": {"required": True}}},
+    {"type": "object", "$defs": {"u": {"allOf": 5}}},
+    {"type": "object", "$defs": {"u": {"required": [{}], "properties": {}}}},
 ]
 
 
