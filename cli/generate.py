@@ -28,9 +28,9 @@ try:  # these imports take seconds: Ctrl-C during them ends as it does anywhere 
     import torch
     import torch.distributed as dist
 
-    from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels
+    from ops import IMPLS, KERNELS
     from qwen3 import Qwen3ForCausalLM
-    from qwen3.loader import DTYPES, resolve_device
+    from qwen3.loader import DTYPES
     from runtime.generate import pad_left, stop_ids
     from runtime.sampling import problem
     from runtime.text import TextStream, load_tokenizer, prompt_ids
@@ -191,19 +191,9 @@ def run(args: argparse.Namespace, out: Stdout) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device, norm, kernels = model_flags.resolve_run_flags(args)
     except ValueError as err:
-        bad_flag(f"--device: {err}")
-    if args.cuda_graph and device.type != "cuda":
-        bad_flag(f"--cuda-graph needs a CUDA device, and the model runs on {device} (use --device cuda)")
-    try:
-        norm = resolve_impl(args.norm, device)
-    except ValueError as err:
-        bad_flag(f"--norm {args.norm}: {err}")
-    try:
-        kernels = resolve_kernels(args.kernels, device)
-    except ValueError as err:
-        bad_flag(f"--kernels {args.kernels}: {err}")
+        bad_flag(str(err))
     if args.tensor_parallel:  # torchrun's environment names the ranks; one GPU per process
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,5 +1,6 @@
-"""--model and --revision, the same in every command: a checkpoint directory, or a Hugging Face repo id
-resolved through huggingface_hub's cache (qwen3/hub.py)."""
+"""The flags every command shares: --model and --revision (a checkpoint directory, or a Hugging Face
+repo id resolved through huggingface_hub's cache: qwen3/hub.py), and where and how the model runs
+(--device, --cuda-graph, --norm, --kernels), checked alike."""
 
 import argparse
 import signal
@@ -7,7 +8,11 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from ops import resolve_impl, resolve_kernels
 from qwen3.hub import resolve_checkpoint
+from qwen3.loader import resolve_device
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "weights" / "qwen3-stdlib-tiny"  # in a checkout
 
@@ -25,6 +30,25 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "FP8 format (128 x 128 blocks): on a GPU of compute capability 8.9+ with the fused kernels, "
                         "half the weights' memory and bytes per decode step. An FP8 checkpoint (Qwen3-*-FP8) "
                         "is FP8 without it (default: the checkpoint's weights as they are)")
+
+
+def resolve_run_flags(args: argparse.Namespace) -> tuple:
+    """(device, norm, kernels) from --device (default: cuda where there is one), --norm and
+    --kernels, with --cuda-graph checked against the device. ValueError naming the flag: a bad
+    flag's one line (status 2)."""
+    try:
+        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except ValueError as err:
+        raise ValueError(f"--device: {err}") from None
+    if args.cuda_graph and device.type != "cuda":
+        raise ValueError(f"--cuda-graph needs a CUDA device, and the model runs on {device} (use --device cuda)")
+    resolved = []
+    for flag, value, resolve in (("--norm", args.norm, resolve_impl), ("--kernels", args.kernels, resolve_kernels)):
+        try:
+            resolved.append(resolve(value, device))
+        except ValueError as err:
+            raise ValueError(f"{flag} {value}: {err}") from None
+    return device, *resolved
 
 
 def find_checkpoint(model: str, revision: str | None, stop: Callable[[int], None]) -> Path:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ops import IMPLS, KERNELS, resolve_impl, resolve_kernels
+from ops import IMPLS, KERNELS
 from qwen3.config import Qwen3Config
-from qwen3.loader import DTYPES, read_generation_config, resolve_device, resolve_dtype
+from qwen3.loader import DTYPES, read_generation_config, resolve_dtype
 from runtime.text import load_tokenizer
 from serve.engine import PREFILL_TOKENS
 from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec
@@ -164,14 +164,9 @@ def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     names the file and the key (SystemExit). The tokenizer is checked as it loads (tokenizer_of), the
     weights in the engine process."""
     try:  # the flags' mistakes: status 2, as generate.py's
-        device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device, _, _ = model_flags.resolve_run_flags(args)
     except ValueError as err:
-        bad_flag(f"--device: {err}")
-    for flag, value, resolve in (("--norm", args.norm, resolve_impl), ("--kernels", args.kernels, resolve_kernels)):
-        try:
-            resolve(value, device)
-        except ValueError as err:
-            bad_flag(f"{flag} {value}: {err}")
+        bad_flag(str(err))
     args.checkpoint = find_checkpoint(args.model, args.revision)
     try:
         dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.checkpoint).dtype)

@@ -28,6 +28,7 @@ from runtime.reasoning import CLOSE, OPEN
 # disable_any_whitespace for the same reason). The JSON stays valid, written without indentation.
 MAX_WHITESPACE = 1
 THINK_TAGS = [OPEN, CLOSE]  # never inside the reasoning's text or the answer's
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def reasoning_of(template: str | None, prompt_tail: str) -> str:
@@ -61,9 +62,10 @@ def response_grammar(kind: str, schema: dict | None, reasoning: str) -> str | No
 
 
 def tool_call(name: str, parameters: dict | None) -> dict:
-    """One call of the named tool, its arguments following its parameters (any object without)."""
+    """One call of the named tool, its arguments following its parameters; `{}` for a tool without
+    (OpenAI: "omitting parameters defines a function with an empty parameter list")."""
     return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-            "content": json_format(parameters if parameters is not None else {"type": "object"}),
+            "content": json_format(parameters if parameters is not None else NO_PARAMETERS),
             "end": "}\n</tool_call>"}
 
 
@@ -86,49 +88,3 @@ def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reason
         return after_reasoning({"type": "tags_with_separator", "tags": calls, "separator": "\n",
                                 "at_least_one": True, "stop_after_first": not parallel}, reasoning)
     return after_reasoning(tool_call(choice, names[choice]), reasoning)
-
-
-# JSON Schema keywords that xgrammar does not enforce (it would accept output that fails them):
-# refused, so that an answer always validates against the schema it was asked for.
-UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains",
-              "minContains", "maxContains", "unevaluatedProperties", "unevaluatedItems", "propertyNames",
-              "patternProperties")
-
-
-def unenforced(schema, path: str = "") -> str | None:
-    """What of a JSON schema the grammar would not enforce, in a sentence naming where, or None:
-    one of UNENFORCED, allOf of several schemas, a $ref outside the document, a required property
-    the schema does not describe, an empty anyOf / oneOf / enum (nothing could match), one of
-    those keywords not an array (xgrammar does not read a subschema that nothing refers to)."""
-    if isinstance(schema, list):
-        return next((found for i, item in enumerate(schema) if (found := unenforced(item, f"{path}[{i}]"))), None)
-    if not isinstance(schema, dict):
-        return None
-    here, prefix = path or "the schema", f"{path}." if path else ""
-    for key in UNENFORCED:
-        if key in schema:
-            return f"{here} uses {key!r}, which constrained decoding does not enforce"
-    for key in ("allOf", "anyOf", "oneOf", "enum", "required"):  # xgrammar skips what nothing refers to
-        if key in schema and not isinstance(schema[key], list):
-            return f"{here} has {key!r} of {type(schema[key]).__name__}, where JSON Schema wants an array"
-    if not all(isinstance(name, str) for name in schema.get("required", [])):
-        return f"{here} has 'required' names that are not strings"
-    if len(schema.get("allOf", [])) > 1:
-        return f"{here} uses 'allOf' of several schemas, which constrained decoding does not enforce"
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return f"{here} refers to {ref!r} outside the schema"
-    for key in ("anyOf", "oneOf", "enum"):
-        if key in schema and not schema[key]:
-            return f"{here} has an empty {key!r}: nothing can match it"
-    properties = schema.get("properties")
-    described = properties if isinstance(properties, dict) else {}
-    missing = [name for name in schema.get("required", []) if name not in described]
-    if missing:
-        return f"{here} requires {missing[0]!r}, which its 'properties' do not describe"
-    subschemas = [(value, prefix + key) for key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf",
-                                                    "allOf") if isinstance(value := schema.get(key), (dict, list))]
-    for key in ("properties", "$defs", "definitions"):  # named subschemas: the names are not keywords
-        if isinstance(schema.get(key), dict):
-            subschemas += [(sub, f"{prefix}{key}.{name}") for name, sub in schema[key].items()]
-    return next((found for sub, at in subschemas if (found := unenforced(sub, at))), None)

@@ -191,7 +191,7 @@ class EngineProcess:
         """Queue a request that `check` has passed; returns its id. QueueFull past the bound,
         EngineDead once the process has ended."""
         if len(self._callbacks) >= self.max_batch + self.max_waiting:
-            raise QueueFull(f"{self.max_batch} requests are running and {self.max_waiting} already waiting; "
+            raise QueueFull(f"the server is full ({self.max_batch} running and {self.max_waiting} waiting at most); "
                             "try again later")
         seq_id = next(self._ids)
         self._callbacks[seq_id] = on_output

@@ -16,9 +16,10 @@ import jinja2.meta
 from runtime.grammar import check_spec, structural_tag
 from runtime.reasoning import ReasoningSplitter
 
-from .constraints import json_format, reasoning_of, response_grammar, tool_grammar, unenforced
+from .constraints import json_format, reasoning_of, response_grammar, tool_grammar
 from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields, short
 from .reply import ReplyParser
+from .schemas import unenforced
 
 LONG_BODY_BYTES = 1 << 16  # a body longer than this has its prompt tokenized off the event loop
 
@@ -50,7 +51,8 @@ def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
     400 naming the field for messages or template variables the template cannot take."""
     if not tokenizer.chat_template:
         raise OpenAIError(400, f"The model `{model_name}` has no chat template (a base model): use "
-                               "/v1/completions with a plain prompt", param="messages")
+                               "/v1/completions with a plain prompt, or start the server with --chat-template FILE",
+                          param="messages")
     messages = []
     for i, m in enumerate(req.messages):
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(

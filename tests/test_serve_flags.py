@@ -52,6 +52,8 @@ def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--device", "tpu"], "--device: unknown device 'tpu'; expected 'cpu', 'cuda' or 'cuda:N'"),
+    (["--device", "cpu", "--cuda-graph"], "--cuda-graph needs a CUDA device, and the model runs on cpu "
+                                          "(use --device cuda)"),
     (["--model", str(SHIPPED.parent)], f"--model: no model at {SHIPPED.parent}: it has no config.json (pass --model "
                                        "DIR with a Hugging Face Qwen3 checkpoint, or train one with "
                                        "scripts/train_tiny.py)"),

@@ -446,7 +446,7 @@ def test_past_the_queue_bound_requests_get_429_and_closing_the_rest_cancels_them
 
     statuses, errors, retry_after = asyncio.run(asyncio.wait_for(flood(), REQUEST_TIMEOUT_S))
     assert statuses.count(200) == MAX_BATCH + MAX_WAITING and statuses.count(429) == n - MAX_BATCH - MAX_WAITING
-    assert all("already waiting" in e["message"] and e["type"] == "rate_limit_error" for e in errors)
+    assert all("the server is full" in e["message"] and e["type"] == "rate_limit_error" for e in errors)
     assert retry_after == ["1"] * len(errors)
     h = wait_until_idle(server, timeout_s=60)
     assert h["running"] == 0 and h["waiting"] == 0 and h["free_blocks"] == h["total_blocks"], h

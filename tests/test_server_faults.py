@@ -145,7 +145,7 @@ def test_a_burst_past_the_queue_bound_gets_429_and_every_accepted_request_comple
     assert full["running"] + full["waiting"] == MAX_BATCH + MAX_WAITING, full  # every place taken
     for r in refused:
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
-        assert error_of(r)["type"] == "rate_limit_error" and "already waiting" in error_of(r)["message"]
+        assert error_of(r)["type"] == "rate_limit_error" and "the server is full" in error_of(r)["message"]
     assert answers == [(expected, ["[DONE]", "length"])] * (MAX_BATCH + MAX_WAITING)
     assert_still_serving(server, reference)
 

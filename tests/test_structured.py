@@ -252,7 +252,7 @@ def test_fifty_random_schemas_each_parse_and_validate(server):
 def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
     """tool_choice a named function: one call of it, its arguments of its schema, finish_reason
     tool_calls, streamed or not; "required" with parallel_tool_calls false: one call of one of the
-    tools, and nothing else."""
+    tools, and nothing else; a tool without parameters: calls with no arguments ({})."""
     c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
@@ -269,6 +269,11 @@ def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
     calls = required.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "now")
     assert required.choices[0].message.content is None and required.choices[0].finish_reason == "tool_calls"
+    ping = [{"type": "function", "function": {"name": "ping"}}]  # no parameters: OpenAI's empty parameter list
+    for seed in range(3):
+        calls = c.chat.completions.create(**chat(tools=ping, tool_choice="required", temperature=1.0,
+                                                 seed=seed)).choices[0].message.tool_calls
+        assert calls and all((t.function.name, json.loads(t.function.arguments)) == ("ping", {}) for t in calls)
 
 
 BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/x"}}}  # a reference to nothing
@@ -277,6 +282,12 @@ UNENFORCED_SCHEMAS = [  # what xgrammar would not enforce: output that fails the
     {"anyOf": []},
     {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
     {"allOf": [{"type": "object"}, {"required": ["a"], "properties": {"a": {}}}]},
+    {"type": "object", "properties": {"x": {"type": "number", "multipleOf": 3}}, "required": ["x"]},
+    {"type": "string", "pattern": "a+", "maxLength": 3},
+    {"type": "object", "properties": {"x": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+    {"oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}], "$defs": {  # tags that may be equal
+        "a": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]},
+        "b": {"type": "object", "properties": {"k": {"const": "y"}}, "required": ["k"]}}},
     # malformed where xgrammar does not look (a definition nothing refers to)
     {"type": "object", "$defs": {"u": {"required": True}}},
     {"type": "object", "$defs": {"u": {"allOf": 5}}},
@@ -303,9 +314,37 @@ UNENFORCED_SCHEMAS = [  # what xgrammar would not enforce: output that fails the
        "response_format.json_schema.schema") for schema in UNENFORCED_SCHEMAS],
 ])
 def test_a_grammar_the_server_cannot_follow_is_a_400_naming_the_field(server, fields, param):
+    """Each a 400 naming the field: not JSON schemas, or schemas whose grammar would let through
+    output that fails them (UNENFORCED_SCHEMAS: xgrammar ignores those keywords, or follows such a
+    oneOf as anyOf), so that an answer always validates."""
     r = httpx.post(f"{server}/v1/chat/completions", timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields})
     assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+
+
+TAGGED = {"type": "object", "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+                                                  "discriminator": {"propertyName": "kind"}}},
+          "required": ["pet"], "$defs": {
+              "cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer"}},
+                      "required": ["kind", "lives"]},
+              "dog": {"type": "object", "properties": {"kind": {"const": "dog"}, "name": {"type": "string",
+                                                                                        "maxLength": 8}},
+                      "required": ["kind", "name"]}}}
+TYPED = {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 5},
+                                                          {"type": "null"}]}}, "required": ["v"]}
+
+
+@pytest.mark.parametrize("schema", [TAGGED, TYPED], ids=["tagged", "typed"])
+def test_a_oneof_whose_alternatives_cannot_both_match_is_followed(server, schema):
+    """oneOf as Pydantic writes a tagged union ($refs to alternatives with a const tag), and oneOf of
+    different types: accepted, and every sampled answer validates against the schema (exactly one
+    alternative matches)."""
+    c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}
+    for seed in range(4):
+        reply = c.chat.completions.create(**chat(response_format=fmt, temperature=1.0, seed=seed))
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
 def test_bench_grammar_times_each_variant_of_the_same_walk(capsys):
