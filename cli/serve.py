@@ -28,7 +28,7 @@ from ops import IMPLS, KERNELS
 from qwen3.config import Qwen3Config
 from qwen3.loader import DTYPES, read_generation_config, resolve_dtype
 from runtime.text import load_tokenizer
-from serve.engine import PREFILL_TOKENS
+from serve.engine import PREFILL_TOKENS, PREFILL_TOKENS_CPU
 from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec
 from serve.steps import PREFILL_GRAPH_TOKENS
 
@@ -60,11 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache blocks (default: CUDA: 80%% of free GPU memory, at most what max-batch full-"
                         "context sequences use; CPU: the context or 2048 tokens, whichever is less, per batch row)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
-    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
+    p.add_argument("--prefill-tokens", type=int, default=None,
                    help="prefill work per engine step, in prompt tokens, beside the running sequences' decode step; "
                         "a longer prompt is prefilled in chunks, one a step, a token's attention to the tokens "
                         "before it counting too, so that a chunk deep in a long prompt is shorter "
-                        f"(default: {PREFILL_TOKENS})")
+                        f"(default: {PREFILL_TOKENS} on a GPU, {PREFILL_TOKENS_CPU} on the CPU)")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="a Jinja chat template for chat requests in place of the tokenizer's; a base model has "
                         "none: examples/qwen3-chat-template.jinja is Qwen3's format (default: the tokenizer's)")
@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an engine process silent this long (one step that never ends) is taken as hung: it is "
                         f"killed and the server exits with status 1 (default: {ANSWER_TIMEOUT_S:g})")
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or args.prefill_tokens < 1:
+    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or (args.prefill_tokens or 1) < 1:
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
     if args.num_blocks is not None and args.num_blocks < 1:
         p.error(f"--num-blocks must be >= 1, got {args.num_blocks}")

@@ -60,11 +60,11 @@ from runtime.text import TextStream
 
 from . import steps
 from .request import Limits, Output, Request, check_request
-from .scheduler import PREFILL_TOKENS, Chunk, Scheduler
+from .scheduler import PREFILL_TOKENS, PREFILL_TOKENS_CPU, Chunk, Scheduler
 from .sequence import Sequence
 from .steps import DecodeStep, PrefillStep
 
-__all__ = ["PREFILL_TOKENS", "Engine", "Limits", "Output", "Request", "check_request"]
+__all__ = ["PREFILL_TOKENS", "PREFILL_TOKENS_CPU", "Engine", "Limits", "Output", "Request", "check_request"]
 
 @dataclass
 class LaunchedStep:
@@ -86,20 +86,23 @@ class Engine:
         queue: serve/engine_process.py).
     cuda_graph: replay decode steps and short prompts' prefills from CUDA graphs (default: on CUDA).
     prefill_tokens, attention_cost, prefix_cache: the scheduler's (serve/scheduler.py): the prompt
-        tokens prefilled per step (chunked prefill), what a key that a token attends to costs beside
+        tokens prefilled per step (chunked prefill; default PREFILL_TOKENS on a GPU, PREFILL_TOKENS_CPU
+        on the CPU), what a key that a token attends to costs beside
         the token (default from the model's shape; 0: tokens alone), whether prompts skip the
         prefill of their prefixes that the cache holds.
     """
 
     def __init__(self, model, tokenizer=None, *, n_blocks: int | None = None, block_size: int = 16,
                  max_batch: int = 16, cuda_graph: bool | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, prefix_cache: bool = True,
+                 prefill_tokens: int | None = None, prefix_cache: bool = True,
                  attention_cost: float | None = None):
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.model, self.tokenizer = model, tokenizer
         config = model.config
         self.device = model.lm_head.weight.device
+        if prefill_tokens is None:
+            prefill_tokens = PREFILL_TOKENS if self.device.type == "cuda" else PREFILL_TOKENS_CPU
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.max_len = config.max_position_embeddings
         table_width = -(-self.max_len // block_size)  # blocks a sequence can own
         if n_blocks is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import PREFILL_TOKENS, Engine, Output
+from .engine import Engine, Output
 from .interpreter import frozen_heap
 
 # The engine process sends a message at least this often, so that silence means a hang.
@@ -41,7 +41,7 @@ class EngineSpec:
     max_batch: int = 16
     max_waiting: int = 256
     cuda_graph: bool | None = None
-    prefill_tokens: int = PREFILL_TOKENS
+    prefill_tokens: int | None = None  # the engine's default for the device
     prefix_cache: bool = True
     threads: int | None = None
 

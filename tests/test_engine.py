@@ -13,7 +13,7 @@ from conftest import DEVICE, requires_cuda, use_path
 from qwen3 import Qwen3ForCausalLM
 from runtime.sampling import SamplingParams
 from runtime.text import load_tokenizer
-from serve.engine import Engine, Request
+from serve.engine import PREFILL_TOKENS, PREFILL_TOKENS_CPU, Engine, Request
 
 GREEDY = SamplingParams(temperature=0.0)
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,6 +111,23 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(model, prefill_tokens=0)
+
+
+def test_the_default_prefill_budget_is_the_devices(model):
+    """The default budget is PREFILL_TOKENS on a GPU, PREFILL_TOKENS_CPU on the CPU (a step must stay
+    inside the server's engine timeout): a 500-token prompt takes as many steps to its first token
+    as with the device's budget given; the CPU's takes more than the GPU's."""
+    steps = {}
+    for budget in (None, PREFILL_TOKENS_CPU, PREFILL_TOKENS):
+        engine = Engine(model, max_batch=1, n_blocks=64, prefill_tokens=budget)
+        out = []
+        engine.add(Request([1 + i % 100 for i in range(500)], 1), out.append)
+        steps[budget] = 0
+        while not out:
+            engine.step()
+            steps[budget] += 1
+    default = PREFILL_TOKENS if DEVICE.type == "cuda" else PREFILL_TOKENS_CPU
+    assert steps[None] == steps[default] and steps[PREFILL_TOKENS_CPU] > steps[PREFILL_TOKENS], steps
 
 
 def test_out_of_blocks_new_requests_wait_and_nothing_is_corrupted(model):
