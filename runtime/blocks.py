@@ -55,15 +55,6 @@ class BlockPool:
         """Blocks that `allocate` can hand out: the free ones and the cached ones."""
         return len(self._free) + len(self._cached)
 
-    @property
-    def num_cached(self) -> int:
-        """Registered blocks that no sequence owns (kept for a later prompt, evicted first-freed first)."""
-        return len(self._cached)
-
-    @property
-    def num_registered(self) -> int:
-        return len(self._block_of)
-
     def allocate(self, n: int) -> list[int] | None:
         """n blocks with one owner each, or None (and nothing taken) when fewer than n can be had.
         Free blocks first; then cached ones, the one let go longest ago first, their keys forgotten."""

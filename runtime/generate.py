@@ -222,7 +222,8 @@ def read_steps(first: torch.Tensor, make_step, choose: TokenChoice, max_new_toke
     # The first token as soon as the prefill gives it, before any graph capture.
     n = 1
     all_stopped = read(to_host(0, first))
-    step = make_step()  # captured after the first token is out
+    # Captured after the first token is out; not at all when no step follows it.
+    step = make_step() if max_new_tokens > 1 and not all_stopped else None
     previous = None
     for i in range(1, max_new_tokens + 1):
         if all_stopped:

@@ -86,10 +86,10 @@ class Grammars:
     time in a worker thread (each by xgrammar's threads), so that a step never waits for a
     compilation; moves and reads many matchers at once, on the caller's thread.
 
-    One thread writes a step's masks by default: xgrammar's batch fill with 2-8 threads took
-    1.5-2x as long as with one for 64 rows of JSON schemas on a 2-core host (its threads' hand-offs
-    cost more than a row's ~20 us mask; scripts/bench_grammar.py compares, on any host), and
-    accepting a token holds the GIL (~12 us a row), so threads would only contend there."""
+    One thread writes a step's masks by default: at a step's tens of rows, handing them to
+    xgrammar's threads costs more than it saves (scripts/bench_grammar.py compares on any host;
+    docs/benchmarks/serve-notes.md has the figures); and accepting a token holds the GIL, so
+    threads would only contend there."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int], fill_threads: int = 1):
         """The tokenizer's vocabulary is read (a second for Qwen3's 151k tokens) in the worker

@@ -16,7 +16,7 @@ def _finite(value) -> bool:
 
 
 # What each parameter must be: a test and its wording. SamplingParams checks its fields with these,
-# generate and the engine the seed, and scripts/generate.py each flag before it loads a model.
+# generate and the engine the seed, and cli/generate.py each flag before it loads a model.
 RULES = {
     "temperature": (lambda v: _finite(v) and v >= 0, ">= 0 and finite (0 = greedy)"),
     "top_k": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0 (0 = off)"),

@@ -4,7 +4,7 @@ a named function) or by `strict` tools, in Qwen3's formats, after the reasoning 
 model reasons first.
 
     reasoning = reasoning_of(template, prompt_tail)              # "none", "first" or "inside"
-    spec = response_grammar(response_format, reasoning)          # None: free text
+    spec = response_grammar(kind, schema, reasoning)             # None: free text
     spec = tool_grammar(tools, tool_choice, reasoning)
 
 The reasoning block, from the prompt as the chat template ended it: "inside" when the prompt

@@ -23,8 +23,8 @@ KEEP_ALIVE_S = 30.0
 
 class HTTPServer(uvicorn.Server):
     """uvicorn's server with this server's ends (see the module docstring): signals drain it, a dead
-    engine ends it. `say` prints one line for the user; after run(), `status` is the exit status
-    and `death` how the engine died, if it did."""
+    engine ends it. `say` prints one line for the user; after run(), `death` is how the engine
+    died, if it did (the server then exits with status 1)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout_s: float, say: Callable[[str], None]):
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
@@ -33,7 +33,6 @@ class HTTPServer(uvicorn.Server):
         self.state.on_fatal = self.engine_died
         self.shutdown_timeout_s, self.say = shutdown_timeout_s, say
         self.stopping = False
-        self.status = 0
         self.death: str | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -53,5 +52,5 @@ class HTTPServer(uvicorn.Server):
                  f"to finish (a second {name} stops at once)")
 
     def engine_died(self, reason: str) -> None:  # the loop
-        self.status, self.death = 1, reason
+        self.death = reason
         self.should_exit = True

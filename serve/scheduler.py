@@ -96,10 +96,12 @@ class Scheduler:
         self.waiting.append(seq)
 
     def prefix_stats(self) -> dict:
-        """What the prefix cache holds and how often it was hit (for /health)."""
+        """What the prefix cache holds and how often it was hit (for /health): blocks empty (never
+        registered, or evicted), cached (registered, no owner) and used (owned), which add up to the
+        cache; /health's free_blocks are the empty and the cached ones, as `allocate` can take both."""
         free, cached, in_use = self.cache.pool.counts()
         rate = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        return {"enabled": self.prefix_cache, "free_blocks": free, "cached_blocks": cached, "used_blocks": in_use,
+        return {"enabled": self.prefix_cache, "empty_blocks": free, "cached_blocks": cached, "used_blocks": in_use,
                 "prompt_tokens": self.prompt_tokens, "hit_tokens": self.hit_tokens, "hit_rate": round(rate, 4)}
 
     def prefills(self, grammar_ready: Callable[[Sequence, float], bool],

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over the engine (serve/engine.py); scripts/serve.py starts it.
+"""An OpenAI-compatible HTTP server over the engine (serve/engine.py); cli/serve.py starts it.
 
     POST /v1/completions        prompt (text or token ids) -> text
     POST /v1/chat/completions   messages, through the tokenizer's chat template -> an assistant turn

@@ -51,7 +51,7 @@ def prefilled_tokens(model):
 
 def assert_blocks_add_up(engine):
     stats = engine.prefix_stats()
-    assert stats["free_blocks"] + stats["cached_blocks"] + stats["used_blocks"] == engine.cache.n_blocks
+    assert stats["empty_blocks"] + stats["cached_blocks"] + stats["used_blocks"] == engine.cache.n_blocks
     in_use = sum(len(s.blocks) for s in engine.running)  # blocks of running sequences, shared ones once
     assert stats["used_blocks"] <= in_use
 
@@ -194,7 +194,7 @@ def test_shared_prefixes_cancellations_and_preemptions_lose_nothing(model):
         engine.step()
         assert_blocks_add_up(engine)
     stats = engine.prefix_stats()
-    assert stats["used_blocks"] == 0 and stats["free_blocks"] + stats["cached_blocks"] == 16
+    assert stats["used_blocks"] == 0 and stats["empty_blocks"] + stats["cached_blocks"] == 16
     assert engine.preemptions > 0 and stats["hit_tokens"] > 0
     completed = 0
     for request, out in zip(requests, outputs):
