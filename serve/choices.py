@@ -59,12 +59,17 @@ class Choice:
         return self.ids({"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}, ())
 
-    def delta(self, out: Output, final: bool | None = None) -> dict:
-        """A stream chunk's choice for what arrived since the last one. final: the reply ends here
-        (default: when out has a finish reason); held-back text is let go."""
+    def delta(self, out: Output, final: bool | None = None) -> dict | None:
+        """A stream chunk's choice for what arrived since the last one, or None when it would carry
+        nothing (text held back, as a tag that may be starting, with no log-probabilities or token
+        ids asked for). final: the reply ends here (default: when out has a finish reason);
+        held-back text is let go."""
         final = out.finish_reason is not None if final is None else final
+        logprobs = self.write_logprobs(out)
         if self.reply is None:
-            return self.ids({"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
+            if not (out.text or final or logprobs is not None or self.prompt_ids is not None):
+                return None
+            return self.ids({"index": self.index, "text": out.text, "logprobs": logprobs,
                              "finish_reason": out.finish_reason}, out.token_ids)
         parsed = self.reply.feed(out.text, final)
         delta = {"content": parsed.content} if parsed.content else {}
@@ -73,7 +78,9 @@ class Choice:
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
             self.called = True
-        return self.ids({"index": self.index, "delta": delta, "logprobs": self.write_logprobs(out),
+        if not (delta or final or logprobs is not None or self.prompt_ids is not None):
+            return None
+        return self.ids({"index": self.index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason(out.finish_reason, self.called)}, out.token_ids)
 
     def ids(self, choice: dict, tokens) -> dict:

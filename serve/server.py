@@ -296,7 +296,8 @@ class Server:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def sse(self, choices: list[Choice], rid: str, include_usage: bool, chat: bool):
-        """Server-sent events in OpenAI's chunk format, each chunk one choice's news (its index), ending
+        """Server-sent events in OpenAI's chunk format, each chunk one choice's news (its index; none
+        while a choice has nothing to tell, its text held back: Choice.delta), ending
         with `data: [DONE]`; a request the server ends (a shutdown, the engine's death) ends with an
         event {"error": {...}}, which the openai client raises as an APIError. If the client goes
         away, Starlette cancels this generator at its await, and EventStream's on_close cancels the
@@ -321,14 +322,15 @@ class Server:
         async with aclosing(arrivals(choices)) as news:
             async for c, out in news:
                 if (error := self.failure(c.outputs, out)) is not None:
-                    if out.text:
-                        yield chunk(c.delta(out, final=True))
+                    if out.text and (piece := c.delta(out, final=True)) is not None:
+                        yield chunk(piece)
                     yield event(error.body())
                     yield "data: [DONE]\n\n"
                     return
                 if out.finish_reason == "cancelled":  # its client has left
                     return
-                yield chunk(c.delta(out))
+                if (piece := c.delta(out)) is not None:
+                    yield chunk(piece)
                 if out.finish_reason is not None:
                     last.append(out)
         if include_usage:

@@ -118,7 +118,7 @@ def client(url: str) -> openai.OpenAI:
 
 def ask(url: str, stream: bool, max_tokens: int = 64, **kwargs) -> tuple[str | None, str | None, str]:
     """(reasoning_content, content, finish_reason) of a chat reply; streamed, its deltas joined
-    (None where no delta had that field)."""
+    (None where no delta had that field), each chunk carrying something."""
     c = client(url)
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     extra = {"chat_template_kwargs": kwargs} if kwargs else None
@@ -131,6 +131,8 @@ def ask(url: str, stream: bool, max_tokens: int = 64, **kwargs) -> tuple[str | N
     for chunk in c.chat.completions.create(model=c.models.list().data[0].id, messages=messages,
                                            max_tokens=max_tokens, temperature=0, stream=True, extra_body=extra):
         delta = chunk.choices[0].delta
+        assert (delta.role or delta.content or getattr(delta, "reasoning_content", None) or delta.tool_calls
+                or chunk.choices[0].finish_reason), chunk  # a chunk of nothing (text held back) is not sent
         if getattr(delta, "reasoning_content", None):
             reasoning = (reasoning or "") + delta.reasoning_content
         if delta.content:
