@@ -100,8 +100,8 @@ def serve(port: int, step_s: float) -> None:
     import uvicorn
 
     from runtime.text import load_tokenizer
+    from serve.app import create_app
     from serve.http_server import KEEP_ALIVE_S
-    from serve.server import create_app
 
     app = create_app(StubEngine(step_s), load_tokenizer(ROOT / "weights" / "qwen3-stdlib-tiny"), "stub")
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
