@@ -239,8 +239,8 @@ def serve(args: argparse.Namespace) -> None:
         # an import was seen lost (the server started anyway): both held to the block's end.
         with signals_held():
             engine = start_engine(args, device, dtype)
-            from serve.app import create_app
-            from serve.http_server import HTTPServer  # FastAPI and uvicorn import while the model loads
+            from serve.app import create_app  # FastAPI and uvicorn import while the model loads
+            from serve.http_server import HTTPServer
 
             tokenizer = tokenizer_of(args)  # imports too (transformers' lazy modules)
         wait_for_engine(engine, args.model)
