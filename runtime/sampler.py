@@ -27,6 +27,7 @@ from ops.sampling import NEUTRAL, PARAMS, choose_tokens, fused_supports
 
 from .grammar import allow, mask_words
 from .sampling import SamplingParams
+from .staging import staged
 
 HOWS = ("greedy", "fused", "reference")
 
@@ -69,7 +70,8 @@ class Sampler:
         its copies queued behind the step in flight (a copy from pageable memory would wait for it)."""
         if params.penalized and self.seen is None:
             raise ValueError("this sampler keeps no seen tokens (penalties=False): it cannot penalize")
-        self.params[row].copy_(self._staged([float(getattr(params, name)) for name in PARAMS]), non_blocking=True)
+        values = [float(getattr(params, name)) for name in PARAMS]
+        self.params[row].copy_(staged(values, self.params.device), non_blocking=True)
         # fill_, not `self.seeds[row] = seed`: that copies a host scalar from pageable memory, which
         # waits for every step in flight (the engine's host would stall behind the GPU).
         self.seeds[row].fill_(seed)
@@ -78,12 +80,8 @@ class Sampler:
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):
-                seen = seen_ids if isinstance(seen_ids, torch.Tensor) else self._staged(list(seen_ids))
+                seen = seen_ids if isinstance(seen_ids, torch.Tensor) else staged(list(seen_ids), self.seen.device)
                 self.seen[row].index_fill_(0, seen.to(self.seen.device, non_blocking=True), True)
-
-    def _staged(self, data: list) -> torch.Tensor:
-        """data as a host tensor, pinned when the tables are on a GPU."""
-        return torch.tensor(data, pin_memory=self.params.device.type == "cuda")
 
     def allow_rows(self, rows: torch.Tensor, words: torch.Tensor) -> None:
         """Rows `rows` (on the device) may choose only the tokens of words [len(rows), W] (host int32,

@@ -56,6 +56,7 @@ from runtime.grammar import Grammars
 from runtime.graphs import resolve_cuda_graph
 from runtime.logprobs import Logprobs, TokenLogprobs, keep, token_logprobs
 from runtime.sampler import Sampler, random_seed
+from runtime.staging import to_device
 from runtime.text import TextStream
 
 from . import steps
@@ -277,7 +278,7 @@ class Engine:
         in the cache, packed into one forward; the logits of the last token of each sequence whose
         tokens are then all in the cache give its next token."""
         seqs = [seq for seq, _ in pack]
-        table = self._on_device(self.scheduler.block_table(seqs))
+        table = to_device(self.scheduler.block_table(seqs), self.device)
         logits = self.prefill([(seq.ids[seq.cached : seq.cached + n], seq.cached) for seq, n in pack], table)
         done = []
         for i, (seq, n) in enumerate(pack):
@@ -288,9 +289,9 @@ class Engine:
         if not done:
             return
         finished = [seqs[i] for i in done]
-        rows = self._on_device([s.row for s in finished])
+        rows = to_device([s.row for s in finished], self.device)
         if len(done) < len(pack):
-            logits = logits[self._on_device(done)]
+            logits = logits[to_device(done, self.device)]
         if self._allow(finished):  # the grammars' tokens only: for the choice and the log-probabilities
             logits = self.sampler.mask(logits, rows)
         tokens = self.sampler(logits, rows, self._how(finished))
@@ -310,13 +311,14 @@ class Engine:
         if not seqs:
             return
         self.peak_running = max(self.peak_running, len(seqs))
-        rows, positions = self._on_device([s.row for s in seqs]), self._on_device([s.cached for s in seqs])
+        rows = to_device([s.row for s in seqs], self.device)
+        positions = to_device([s.cached for s in seqs], self.device)
         masks = None
         if any(s.matcher is not None for s in seqs):
             def masks() -> None:
                 self._match(previous)
                 self._allow(seqs)
-        tokens, logprobs = self.decode(rows, positions, self._on_device(self.scheduler.block_table(seqs)),
+        tokens, logprobs = self.decode(rows, positions, to_device(self.scheduler.block_table(seqs), self.device),
                                        self._how(seqs), self._logprobs(seqs), masks)
         for s in seqs:
             s.cached += 1
@@ -349,15 +351,6 @@ class Engine:
                 k = s.request.logprobs
                 self._accept(s, token, keep(lp, k) if k is not None else None)
 
-    def _on_device(self, data: torch.Tensor | list) -> torch.Tensor:
-        """Host data on the engine's device without waiting for the GPU: a copy from pageable
-        memory waits for the stream (it would hold the host until the step in flight is done);
-        one staged in pinned memory is queued behind it (torch keeps the staging buffer until
-        the copy has run)."""
-        if self.device.type != "cuda":
-            return torch.as_tensor(data, device=self.device)
-        return torch.as_tensor(data).pin_memory().to(self.device, non_blocking=True)
-
     def _how(self, seqs: list[Sequence]) -> str:
         """How the sampler chooses these sequences' tokens (Sampler.how: greedy, fused, reference)."""
         return Sampler.how([s.request.params for s in seqs], self.fused)
@@ -369,9 +362,9 @@ class Engine:
         if not constrained:
             return False
         words = torch.empty(len(constrained), self.sampler.allowed.shape[1], dtype=torch.int32,
-                            pin_memory=self.device.type == "cuda")
+                            pin_memory=self.device.type == "cuda")  # the grammars write it, then it is copied
         self.grammars.fill([s.matcher for s in constrained], words)
-        self.sampler.allow_rows(self._on_device([s.row for s in constrained]), words)
+        self.sampler.allow_rows(to_device([s.row for s in constrained], self.device), words)
         return True
 
     @staticmethod

@@ -15,6 +15,7 @@ from runtime.cache import PagedKVCache
 from runtime.graphs import GraphRunner
 from runtime.logprobs import Logprobs, token_logprobs
 from runtime.sampler import Sampler
+from runtime.staging import staged, to_device
 
 # On CUDA, packs of prompts of up to this many tokens in all, and of up to PACKED_SEQUENCES
 # prompts, are prefilled from a CUDA graph: an eager forward costs the same host time of kernel
@@ -229,19 +230,19 @@ class PrefillStep:
         positions = [p for chunk, start in chunks for p in range(start, start + len(chunk))]
         from_start = all(start == 0 for _, start in chunks)
         device = block_table.device
-        if not self.fits(n, N, from_start):
-            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
-            token_positions = torch.tensor(positions, device=device)
+        if not self.fits(n, N, from_start):  # eager, its inputs queued behind the step in flight too
+            cu_seqlens = to_device(bounds, device, torch.int32)
+            token_positions = to_device(positions, device)
             longest = max(start + len(chunk) for chunk, start in chunks)
             make = metadata.prefill if from_start else metadata.extend
             meta = make(token_positions, cu_seqlens, self.cache, block_table, longest)
-            return self.model(torch.tensor(ids, device=device), token_positions, meta)
-        # Queued behind the step in flight through pinned memory. Padding keeps earlier ids and
-        # positions (any valid ones do); the bounds past the last sequence's end make empty sequences.
-        staged = torch.tensor([ids, positions], pin_memory=True)
-        self.ids[:n].copy_(staged[0], non_blocking=True)
-        self.positions[:n].copy_(staged[1], non_blocking=True)
+            return self.model(to_device(ids, device), token_positions, meta)
+        # Padding keeps earlier ids and positions (any valid ones do); the bounds past the last
+        # sequence's end make empty sequences.
+        host = staged([ids, positions], device)
+        self.ids[:n].copy_(host[0], non_blocking=True)
+        self.positions[:n].copy_(host[1], non_blocking=True)
         bounds += [n] * (PACKED_SEQUENCES - N)
-        self.cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32, pin_memory=True), non_blocking=True)
+        self.cu_seqlens.copy_(staged(bounds, device, torch.int32), non_blocking=True)
         self.block_table[:N, : block_table.shape[1]].copy_(block_table)  # columns past it: never read
         return self.runners[from_start](n)[:N]
