@@ -28,8 +28,9 @@ def test_a_bad_flag_ends_serve_py_with_one_line(flags, message, capsys):
 
 def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
     """--chat-template: the shipped base model gets Qwen3's chat format (examples/): tools in the
-    system turn, the think block closed with thinking off; a file that is missing or does not
-    render ends serve.py with one line naming it."""
+    system turn, the think block closed with thinking off, calls after the assistant's text and
+    consecutive tool responses in one user turn, as Qwen3's template writes them; a file that is
+    missing or does not render ends serve.py with one line naming it."""
     serve = load_serve_py()
     template = SHIPPED.parent.parent / "examples" / "qwen3-chat-template.jinja"
     args = serve.parse_args(["--chat-template", str(template)])
@@ -40,6 +41,14 @@ def test_a_chat_template_file_replaces_the_tokenizers(tmp_path):
                                                         add_generation_prompt=True, enable_thinking=False)
     assert text.startswith("<|im_start|>system\n# Tools\n") and f"<tools>\n{json.dumps(tool)}\n</tools>" in text
     assert text.endswith("<|im_start|>user\nWhat time is it?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "now", "arguments": {}}} for i in range(2)]
+    history = question + [{"role": "assistant", "content": "", "tool_calls": calls},
+                          {"role": "tool", "tool_call_id": "c0", "content": "9:00"},
+                          {"role": "tool", "tool_call_id": "c1", "content": "9:01"}]
+    text = serve.tokenizer_of(args).apply_chat_template(history, tools=[tool], tokenize=False)
+    call = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert text.endswith(f"<|im_start|>assistant\n{call}\n{call}<|im_end|>\n<|im_start|>user\n<tool_response>\n9:00\n"
+                         "</tool_response>\n<tool_response>\n9:01\n</tool_response><|im_end|>\n"), text
     (tmp_path / "broken.jinja").write_text("{% for %}")
     for path, says in ((tmp_path / "missing.jinja", "cannot read --chat-template"),
                        (tmp_path / "broken.jinja", "does not render a conversation")):
