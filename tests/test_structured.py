@@ -8,6 +8,9 @@ for the model's choice among them, transformers' model of the same checkpoint.""
 import asyncio
 import json
 import random
+import re
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -19,7 +22,7 @@ import xgrammar
 from checkpoints import hf_model, save
 from conftest import DEVICE, use_path
 from in_process import load_script
-from servers import NAME, REQUEST_TIMEOUT_S, SHIPPED, error_of, serving, with_chat_template
+from servers import NAME, REQUEST_TIMEOUT_S, ROOT, SHIPPED, error_of, serving, with_chat_template
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 from qwen3 import Qwen3ForCausalLM
@@ -356,3 +359,16 @@ def test_bench_grammar_times_each_variant_of_the_same_walk(capsys):
     assert [line["fill_threads"] for line in lines] == [1, 2, 1, 2]
     assert len({(line["steps"], line["live_rows_per_step"]) for line in lines}) == 1
     assert all(line["fill_ms"] > 0 and line["accept_ms"] > 0 and line["tokenizer"] == 4096 for line in lines)
+
+
+def test_readme_chat_api_example_prints_what_readme_shows(tmp_path):
+    """README's examples/chat_api.py against the shipped model served with the example chat
+    template: the lines it prints are README's."""
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"\$ python examples/chat_api.py\n(.*?)```", readme, re.DOTALL).group(1)
+    template = ROOT / "examples" / "qwen3-chat-template.jinja"
+    with serving(SHIPPED, tmp_path, "--chat-template", str(template)) as served:
+        result = subprocess.run([sys.executable, str(ROOT / "examples" / "chat_api.py"), "--url", f"{served.url}/v1"],
+                                capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == shown
