@@ -28,7 +28,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_blocks, self.block_size = n_blocks, block_size
-        self.pool = BlockPool(n_blocks)
+        self.pool = BlockPool(n_blocks)  # who owns which block (allocate, release, share, find by tokens)
 
     @classmethod
     def for_model(cls, model, n_blocks: int, block_size: int = 16) -> "PagedKVCache":
@@ -46,19 +46,9 @@ class PagedKVCache:
     def scratch(self) -> int:
         return self.n_blocks * self.block_size
 
-    @property
-    def num_free(self) -> int:
-        return self.pool.num_free
-
     def blocks_for(self, n_tokens: int) -> int:
         """Blocks that n_tokens positions occupy."""
         return -(-n_tokens // self.block_size)
-
-    def allocate(self, n: int) -> list[int] | None:
-        return self.pool.allocate(n)
-
-    def release(self, blocks: list[int]) -> None:
-        self.pool.release(blocks)
 
     def slots(self, positions: torch.Tensor, block_tables: torch.Tensor, valid: torch.Tensor | None = None
               ) -> torch.Tensor:

@@ -154,7 +154,7 @@ class Engine:
 
     @property
     def free_blocks(self) -> int:
-        return self.cache.num_free
+        return self.cache.pool.num_free
 
     @property
     def limits(self) -> "Limits":

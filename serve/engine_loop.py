@@ -92,7 +92,7 @@ def build_engine(spec: EngineSpec) -> Engine:
 
 
 def stats(engine: Engine) -> dict:
-    return {"free_blocks": engine.cache.num_free, "total_blocks": engine.cache.n_blocks,
+    return {"free_blocks": engine.cache.pool.num_free, "total_blocks": engine.cache.n_blocks,
             "block_size": engine.cache.block_size, "running": len(engine.running), "waiting": len(engine.waiting),
             "peak_running": engine.peak_running, "preemptions": engine.preemptions,
             "prefix_cache": engine.prefix_stats()}

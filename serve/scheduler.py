@@ -173,11 +173,11 @@ class Scheduler:
         if self.prefix_cache:  # at least its last token is computed: its logits give the next token
             hits = self.cache.pool.lookup(self._keys(seq, (len(seq.ids) - 1) // bs))
         need = self.cache.blocks_for(len(seq.ids) + 1) - len(hits)
-        if self.cache.num_free - self.cache.pool.cached_among(hits) - need < len(self.running):
+        if self.cache.pool.num_free - self.cache.pool.cached_among(hits) - need < len(self.running):
             return False
         del self.waiting[place]
         self.cache.pool.share(hits)
-        seq.blocks = hits + self.cache.allocate(need)
+        seq.blocks = hits + self.cache.pool.allocate(need)
         seq.registered = len(hits)
         seq.cached = len(hits) * bs
         self.prompt_tokens += len(seq.ids)
@@ -197,7 +197,7 @@ class Scheduler:
             if done or seq.cached // self.cache.block_size < len(seq.blocks):
                 i += 1
                 continue
-            block = self.cache.allocate(1)
+            block = self.cache.pool.allocate(1)
             if block is not None:
                 self.block_rows[seq.row, len(seq.blocks)] = block[0]
                 seq.blocks += block
@@ -219,7 +219,7 @@ class Scheduler:
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.cache.release(seq.blocks)
+        self.cache.pool.release(seq.blocks)
         seq.blocks, seq.registered = [], 0
         if seq.row >= 0:
             self._free_rows.append(seq.row)

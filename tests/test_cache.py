@@ -44,17 +44,17 @@ def assert_logits_close(actual, expected):
 
 def test_blocks_are_allocated_released_and_reused():
     cache = PagedKVCache(1, n_blocks=5, block_size=4, n_kv_heads=1, head_dim=8, dtype=torch.float32, device=DEVICE)
-    assert cache.num_free == 5 and cache.blocks_for(9) == 3 and cache.blocks_for(8) == 2
-    a = cache.allocate(3)
-    b = cache.allocate(2)
-    assert sorted(a + b) == [0, 1, 2, 3, 4] and cache.num_free == 0
-    assert cache.allocate(1) is None and cache.num_free == 0  # out of blocks: nothing taken
-    cache.release(a)
-    assert cache.num_free == 3
-    assert sorted(cache.allocate(3)) == sorted(a)  # the freed blocks are handed out again
-    cache.release(b)
+    assert cache.pool.num_free == 5 and cache.blocks_for(9) == 3 and cache.blocks_for(8) == 2
+    a = cache.pool.allocate(3)
+    b = cache.pool.allocate(2)
+    assert sorted(a + b) == [0, 1, 2, 3, 4] and cache.pool.num_free == 0
+    assert cache.pool.allocate(1) is None and cache.pool.num_free == 0  # out of blocks: nothing taken
+    cache.pool.release(a)
+    assert cache.pool.num_free == 3
+    assert sorted(cache.pool.allocate(3)) == sorted(a)  # the freed blocks are handed out again
+    cache.pool.release(b)
     with pytest.raises(RuntimeError, match="released more often than it is owned"):
-        cache.release(b)
+        cache.pool.release(b)
 
 
 def test_a_shared_block_is_free_only_when_its_last_owner_releases_it():
