@@ -96,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="an engine process silent this long (one step that never ends) is taken as hung: it is "
                         f"killed and the server exits with status 1 (default: {ANSWER_TIMEOUT_S:g})")
     args = p.parse_args(argv)
-    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or (args.prefill_tokens or 1) < 1:
+    if args.max_batch < 1 or args.max_waiting < 0 or args.block_size < 1 or (
+            args.prefill_tokens is not None and args.prefill_tokens < 1):
         p.error("--max-batch, --block-size and --prefill-tokens must be >= 1, --max-waiting >= 0")
     if args.num_blocks is not None and args.num_blocks < 1:
         p.error(f"--num-blocks must be >= 1, got {args.num_blocks}")

@@ -37,10 +37,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "weights" / "qwen3-stdlib-tiny"
 # Qwen3's tokenizer holds 151,669 tokens (its 151,936 logits pad the rest). A grammar's costs grow
 # with the vocabulary it checks (a mask walks the tokens its state cannot decide beforehand) and
-# with the ids it must treat as special (xgrammar checks each accepted token against them: 28 us a
-# token with the shipped 4,096 padded to 151,936, 1 us unpadded), so a benchmark at a real config
-# needs a tokenizer of that size: a byte-level BPE trained to it on Python source (the standard
-# library's, torch's and transformers': enough distinct text for that many tokens).
+# with the ids it must treat as special (xgrammar checks each accepted token against all of them:
+# the shipped 4,096 padded to 151,936 would make 147,840; docs/benchmarks/serve-notes.md), so a
+# benchmark at a real config needs a tokenizer of that size: a byte-level BPE trained to it on
+# Python source (the standard library's, torch's and transformers': enough distinct text for that
+# many tokens).
 QWEN3_TOKENS = 151669
 WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "north", "south", "yes", "no"]
 

@@ -186,7 +186,7 @@ def checked(spec: str, where: str, schema) -> None:
         check_spec(spec)
     except ValueError as err:
         raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {err}", param=where) from None
-    if (problem := unenforced(schema)) is not None:
+    if schema is not None and (problem := unenforced(schema)) is not None:  # None: json_object's any object
         raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {problem}", param=where)
 
 

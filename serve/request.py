@@ -1,6 +1,7 @@
 """A request to the serving engine, the outputs it gets back, and the checks it must pass.
 
-    engine.submit(Request(prompt_ids, max_tokens, SamplingParams(...), seed=...), on_output)
+    engine.add(Request(prompt_ids, max_tokens, SamplingParams(...), seed=...), on_output)   # serve/engine.py
+    process.submit(request, on_output)   # the server's: serve/engine_process.py, after process.check(request)
 """
 
 import itertools

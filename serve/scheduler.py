@@ -49,7 +49,7 @@ from .sequence import Sequence
 # part-filled) and keeps the running sequences waiting longer in each (docs/benchmarks/serve-notes.md).
 PREFILL_TOKENS = 8192
 # On a CPU: a step's work must stay well inside the server's --engine-timeout (60 s), past which
-# the engine is taken for hung; 1,024 tokens of Qwen3-0.6B take 4-8 s on two cores.
+# the engine is taken for hung, and a CPU prefills a real model's tokens thousands of times slower.
 PREFILL_TOKENS_CPU = 512
 # What a step waits at most for the grammar of the request at the head of the queue: a grammar in
 # xgrammar's cache is ready within it (runtime/grammar.py Matcher.ready); a new one takes a few

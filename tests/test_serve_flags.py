@@ -17,6 +17,8 @@ from servers import SHIPPED, load_serve_py
      "serve.py: error: --served-model-name must not be empty (leave it out for the checkpoint's name) (see --help)"),
     (["--max-batch", "0"], "serve.py: error: --max-batch, --block-size and --prefill-tokens must be >= 1, "
                            "--max-waiting >= 0 (see --help)"),
+    (["--prefill-tokens", "0"], "serve.py: error: --max-batch, --block-size and --prefill-tokens must be >= 1, "
+                                "--max-waiting >= 0 (see --help)"),
 ])
 def test_a_bad_flag_ends_serve_py_with_one_line(flags, message, capsys):
     """A user's mistake in a flag: one line naming it (status 2), before anything loads."""

@@ -291,10 +291,24 @@ UNENFORCED_SCHEMAS = [  # what xgrammar would not enforce: output that fails the
     {"oneOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}], "$defs": {  # tags that may be equal
         "a": {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]},
         "b": {"type": "object", "properties": {"k": {"const": "y"}}, "required": ["k"]}}},
-    # malformed where xgrammar does not look (a definition nothing refers to)
+    {"oneOf": [{"type": "object", "properties": {"k": {"const": 1}}, "required": ["k"]},  # 1 and 1.0: one number
+               {"type": "object", "properties": {"k": {"const": 1.0}}, "required": ["k"]}]},
+    {"type": "object", "properties": {"x": {"oneOf": [{"$ref": "#num"}, {"type": "integer"}]}},  # an anchor
+     "$defs": {"n": {"$anchor": "num", "type": "number"}}},
+    {"type": "object", "properties": {"x": {"$ref": "#/components/u"}},  # a target outside $defs
+     "components": {"u": {"type": "array", "uniqueItems": True}}},
+    {"type": "object", "properties": {"x": {"$ref": "#/components/u"}},
+     "components": {"u": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/a", "maximum": 3}}, "$defs": {"a": {"type": "integer"}}},
+    {"type": "object", "properties": {"x": {"enum": ["abc", 5], "maxLength": 2}}},
+    {"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 2.5}}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "dependencies": {"a": ["b"]}},
+    {"type": "object", "properties": {"x": {"$id": "http://example.com/x", "type": "integer"}}},
+    # not JSON Schema (the metaschema), some where xgrammar does not look (a definition nothing refers to)
     {"type": "object", "$defs": {"u": {"required": True}}},
     {"type": "object", "$defs": {"u": {"allOf": 5}}},
     {"type": "object", "$defs": {"u": {"required": [{}], "properties": {}}}},
+    {"type": "object", "properties": {"x": {"oneOf": [{"type": []}, {"type": "integer"}]}}},
 ]
 
 
@@ -348,6 +362,29 @@ def test_a_oneof_whose_alternatives_cannot_both_match_is_followed(server, schema
         reply = c.chat.completions.create(**chat(response_format=fmt, temperature=1.0, seed=seed))
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+
+SCALARS = [0, 1, 1.0, -0.0, 2.5, 3, 10, "s", "x", "y", "abc", "cat", "dog", True, False, None, [], [1, 1], ["a"]]
+CANDIDATES = [*SCALARS, *({name: v} for name in ("k", "x", "v") for v in SCALARS),
+              *({"pet": {"kind": kind, extra: v}} for kind in ("cat", "dog") for extra in ("lives", "name")
+                for v in (1, "rex"))]
+
+
+@pytest.mark.parametrize("schema", [*UNENFORCED_SCHEMAS, TAGGED, TYPED, WEATHER,
+                                    *(random_schema(random.Random(seed)) for seed in range(5))])
+def test_a_schema_the_server_accepts_lets_through_only_what_validates(compiler, tokenizer, schema):
+    """The server's check (serve/schemas.py) against the two references: for a schema it accepts,
+    every candidate value that the grammar lets through (xgrammar's matcher of the test's own)
+    validates (jsonschema). UNENFORCED_SCHEMAS are each refused; on them this shows why."""
+    from serve.schemas import unenforced
+
+    if unenforced(schema) is not None:
+        assert schema in UNENFORCED_SCHEMAS
+        return
+    assert schema not in UNENFORCED_SCHEMAS, "refused by the server, and the test expects that"
+    spec = structural_tag(json_format(schema))
+    let_through = [value for value in CANDIDATES if follows(compiler, tokenizer, spec, json.dumps(value))]
+    assert all(jsonschema.Draft202012Validator(schema).is_valid(v) for v in let_through), let_through
 
 
 def test_bench_grammar_times_each_variant_of_the_same_walk(capsys):
