@@ -23,6 +23,8 @@ import json
 from runtime.grammar import structural_tag
 from runtime.reasoning import CLOSE, OPEN
 
+from .schemas import opened
+
 # Whitespace between two JSON tokens: one character at most (a space or a newline, never a run):
 # models, small ones most, that favour blank space otherwise write it until max_tokens (vLLM has
 # disable_any_whitespace for the same reason). The JSON stays valid, written without indentation.
@@ -51,7 +53,7 @@ def after_reasoning(answer: dict, reasoning: str) -> str:
 
 
 def json_format(schema: dict | bool) -> dict:
-    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE}
+    return {"type": "json_schema", "json_schema": opened(schema), "max_whitespace_cnt": MAX_WHITESPACE}
 
 
 def response_grammar(kind: str, schema: dict | None, reasoning: str) -> str | None:

@@ -193,3 +193,22 @@ def disjoint(a, b, root) -> bool:
         return False
     tags_a, tags_b = tags(a, root), tags(b, root)
     return any(name in tags_b and not values & tags_b[name] for name, values in tags_a.items())
+
+
+def opened(schema):
+    """schema as xgrammar must read it to mean what JSON Schema does, a copy. xgrammar takes what a
+    schema leaves open as closed once a count asks for more: an array with minItems and no items
+    (JSON Schema: any items) gets `items: true`, an object with minProperties beyond the properties
+    it names (JSON Schema: other properties allowed) `additionalProperties: true`."""
+    if isinstance(schema, list):
+        return [opened(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: opened(value) if key in SUBSCHEMAS else
+           {name: opened(sub) for name, sub in value.items()} if key in NAMED and isinstance(value, dict) else value
+           for key, value in schema.items()}
+    if "minItems" in out and "items" not in out:
+        out["items"] = True
+    if out.get("minProperties", 0) > len(out.get("properties", {})) and "additionalProperties" not in out:
+        out["additionalProperties"] = True
+    return out
