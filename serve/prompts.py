@@ -55,6 +55,11 @@ def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:
                           param="messages")
     messages = []
     for i, m in enumerate(req.messages):
+        if m.content is None and m.role != "assistant":  # an assistant's may be its calls alone
+            raise OpenAIError(400, f"messages[{i}]: a {m.role} message needs content", param=f"messages[{i}].content")
+        if m.role == "tool" and m.tool_call_id is None:
+            raise OpenAIError(400, f"messages[{i}]: a tool message needs the tool_call_id of the call it answers",
+                              param=f"messages[{i}].tool_call_id")
         content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
             part.text for part in m.content)  # parts kept apart, as vLLM joins them
         # OpenAI's developer role is the system role of reasoning models; Qwen3's templates know

@@ -232,6 +232,17 @@ def test_two_tools_of_one_name_are_a_400_naming_the_second(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools[1].function.name", r.text
 
 
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": "Weather?"}, {"role": "tool", "content": "18C"}], "messages[1].tool_call_id"),
+])
+def test_a_message_without_what_its_role_needs_is_a_400_naming_it(server, messages, param):
+    """As OpenAI: content for every role but the assistant's (whose calls may stand alone), and a
+    tool message's tool_call_id."""
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={"messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(server):
     """The assistant's call and the tool's answer, sent back in the history, reach the prompt as the
     checkpoint's template writes them (prompt_token_ids: return_token_ids)."""
