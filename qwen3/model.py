@@ -266,8 +266,9 @@ class Qwen3ForCausalLM(nn.Module):
         """
         from runtime.generate import generate
 
-        return generate(
+        tokens = generate(
             self, input_ids, max_new_tokens, attention_mask=attention_mask, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed, on_token=on_token, cuda_graph=cuda_graph,
         )
+        return tokens.clone()  # outside inference mode: a tensor autograd may use (to score the text, say)

@@ -25,6 +25,7 @@ gives none), so all ranks choose the same tokens, stop at the same step and stay
 next collective. The captured decode step holds the all-reduces.
 """
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -45,11 +46,26 @@ BLOCK_SIZE = 256
 
 
 def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, config) -> list[int]:
-    """Stop ids: the caller's, else generation_config.json's, else config.json's (maybe none)."""
+    """Stop ids: the caller's, else generation_config.json's, else config.json's (maybe none). An id
+    may be any integer (a Python, numpy or 0-d tensor one), a list of them or a 1-d integer tensor;
+    TypeError for anything else (a float, a bool)."""
     eos = eos_token_id
     if eos is None:
         eos = generation_config.get("eos_token_id", config.eos_token_id)
-    return [eos] if isinstance(eos, int) else list(eos or [])
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist() if not eos.is_floating_point() and eos.dim() <= 1 else [eos]
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    return [token_id(t, "eos_token_id") for t in ids]
+
+
+def token_id(value, name: str) -> int:
+    """value as a token id (a Python int from any integer type); TypeError naming `name` otherwise."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer token id (or a list of them), got {value!r}")
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -153,15 +169,17 @@ def generate(
     input_ids = input_ids.to(device)
 
     eos_ids = resolve_eos(eos_token_id, gen_config, config)
-    if not all(isinstance(t, int) and 0 <= t < config.vocab_size for t in eos_ids):
+    if not all(0 <= t < config.vocab_size for t in eos_ids):
         raise ValueError(f"eos_token_id must be token ids in [0, {config.vocab_size}), got {eos_ids}")
-    pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    pad = token_id(pad_token_id, "pad_token_id") if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     if not 0 <= pad < config.vocab_size:
         raise ValueError(f"pad_token_id must be a token id in [0, {config.vocab_size}), got {pad}")
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     seeds = row_seeds(seed, B, getattr(model, "tp", None))
 
     if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
         attention_mask = attention_mask.to(device)
@@ -169,7 +187,7 @@ def generate(
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the prefill takes the plain causal path
     if max_new_tokens == 0:
-        return input_ids
+        return input_ids.clone()  # a tensor of its own, as when tokens are generated
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     fused = resolve_kernels(config.kernels, device) == "fused"
     choose = TokenChoice(input_ids, valid, config.vocab_size, params, seeds, eos, pad, fused)

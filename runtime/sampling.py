@@ -1,8 +1,8 @@
 """Sampling parameters: what each one must be, a request's values, and where unset ones come from.
 
 The filters are transformers', applied in its order (runtime/sampler.py, ops/sampling/):
-repetition/presence penalties, temperature, top-k, top-p, min-p. Temperature 0 means greedy
-(the argmax of the penalized logits).
+repetition/presence penalties, temperature, top-k, top-p, min-p. Temperature 0 (or below
+GREEDY_BELOW) means greedy (the argmax of the penalized logits).
 """
 
 import math
@@ -12,7 +12,12 @@ from ops.sampling.params import NEUTRAL
 
 
 def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# A temperature below this is greedy: logits divided by it overflow float32 (to inf, then NaN
+# probabilities), and a draw that cold is the argmax but for exact ties (vLLM's rule).
+GREEDY_BELOW = 1e-5
 
 
 # What each parameter must be: a test and its wording. SamplingParams checks its fields with these,
@@ -56,6 +61,8 @@ class SamplingParams:
             wrong = problem(field.name, getattr(self, field.name))
             if wrong:
                 raise ParameterError(field.name, f"{field.name} {wrong}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,6 @@
 """KV-cached generation against transformers' generate, and the cache against the no-cache forward."""
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import hf_model, prompts, save
@@ -7,6 +8,7 @@ from conftest import DEVICE, INTERPRETED, requires_cuda, use_path
 
 from qwen3 import Qwen3ForCausalLM
 from runtime.generate import pad_left
+from runtime.sampling import GREEDY_BELOW
 
 NEW_TOKENS = 40
 
@@ -198,6 +200,37 @@ def test_generation_config_supplies_defaults(models):
         assert torch.equal(ours.generate(ids, max_new_tokens=10, seed=1), greedy)
     finally:
         ours.generation_config = {}
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(models):
+    """Logits divided by 1e-40 overflow to inf (NaN probabilities, then any token): below
+    GREEDY_BELOW a temperature is the argmax, as the limit it tends to."""
+    _, ours = models
+    ids = torch.tensor(prompts([6], ours.config.vocab_size, seed=8), device=DEVICE)
+    greedy = ours.generate(ids, max_new_tokens=12, temperature=0.0)
+    for cold in (1e-40, 1e-45, GREEDY_BELOW / 2):
+        assert torch.equal(ours.generate(ids, max_new_tokens=12, temperature=cold, seed=0), greedy), cold
+
+
+def test_ids_of_any_integer_type_are_taken_and_others_refused_in_one_line(models):
+    """eos_token_id and pad_token_id as Python, numpy or tensor integers mean what the int does; a
+    float, a bool or a string is a TypeError naming the argument; the output is a tensor of its own,
+    outside inference mode (autograd may use it)."""
+    _, ours = models
+    ids = torch.tensor(prompts([5], ours.config.vocab_size, seed=9), device=DEVICE)
+    eos = int(ours.generate(ids, max_new_tokens=3, temperature=0.0)[0, -2])  # a token greedy decoding reaches
+    plain = ours.generate(ids, max_new_tokens=6, temperature=0.0, eos_token_id=eos)
+    for same in (np.int64(eos), torch.tensor(eos), [torch.tensor(eos)], torch.tensor([eos])):
+        assert torch.equal(ours.generate(ids, max_new_tokens=6, temperature=0.0, eos_token_id=same), plain)
+    assert not plain.is_inference() and ours.generate(ids, max_new_tokens=0) is not ids
+    for name, wrong in (("eos_token_id", 1.0), ("eos_token_id", True), ("eos_token_id", torch.tensor([1.0])),
+                        ("pad_token_id", "0"), ("pad_token_id", 1.5)):
+        with pytest.raises(TypeError, match=f"{name} must be an integer token id"):
+            ours.generate(ids, max_new_tokens=2, **{name: wrong})
+    with pytest.raises(TypeError, match="attention_mask must be a tensor like input_ids, got list"):
+        ours.generate(ids, max_new_tokens=2, attention_mask=[[1] * 5])
+    with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
+        ours.generate(ids, max_new_tokens=2, temperature=True)
 
 
 def test_refusals_before_any_compute(models):
