@@ -6,6 +6,7 @@ message that says why, never run wrongly.
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -15,6 +16,22 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 # The sizes a config.json must state; every other field has Qwen3's default, as in transformers.
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SUPPORTED_MODELS = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type: architecture
+SIZES = REQUIRED + ("num_key_value_heads", "head_dim", "max_position_embeddings")  # integers >= 1
+NUMBERS = {"rms_norm_eps": (0.0, ">= 0"), "rope_theta": (None, "> 0")}  # finite numbers: (least, wording)
+
+
+def size_problem(values: dict) -> str | None:
+    """What is wrong with the sizes and positive numbers among values (a config's fields), or None."""
+    for key in SIZES:
+        value = values.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"{key} must be an integer >= 1, got {value!r}"
+    for key, (least, must) in NUMBERS.items():
+        value = values.get(key, 1.0)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not number or (value < least if least is not None else value <= 0):
+            return f"{key} must be a finite number {must}, got {value!r}"
+    return None
 @dataclass
 class Qwen3Config:
     vocab_size: int = 151936
@@ -48,6 +65,8 @@ class Qwen3Config:
     mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if (wrong := size_problem(asdict(self))) is not None:
+            raise ValueError(wrong)
         if self.norm_impl not in ops.IMPLS:
             raise ValueError(f"norm_impl must be one of {ops.IMPLS}, got {self.norm_impl!r}")
         if self.kernels not in ops.KERNELS:
@@ -90,6 +109,9 @@ class Qwen3Config:
         missing = [key for key in REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"{source} is missing {', '.join(map(repr, missing))}")
+        rope_theta = (raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("rope_theta")
+        if (wrong := size_problem({**raw, **({"rope_theta": rope_theta} if rope_theta is not None else {})})):
+            raise ValueError(f"{source}: {wrong}")
         if model_type == "qwen3_moe":  # transformers 5 writes num_experts as num_local_experts; its defaults
             experts = raw.pop("num_local_experts", None)
             raw["num_experts"] = experts if experts is not None else raw.get("num_experts", 128)

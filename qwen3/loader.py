@@ -8,7 +8,9 @@ parallelism each rank builds its part of the model and reads only its part of ea
 (safetensors' `get_slice`), so no process ever holds the whole model.
 """
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from .quantized import BLOCK, check_quantization, hold_fp8, quantize_weights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HEAD, EMBEDDINGS = "lm_head.weight", "model.embed_tokens.weight"
 GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # safetensors' names of the dtypes a parameter may be stored in; the copy casts them to the model's.
@@ -181,8 +184,13 @@ def load_model(
     """
     path = model_directory(path)
     device = resolve_device(device)
-    overrides = {key: value for key, value in (("norm_impl", norm_impl), ("kernels", kernels)) if value}
+    overrides = {key: value for key, value in (("norm_impl", norm_impl), ("kernels", kernels)) if value is not None}
     config = Qwen3Config.from_json(path, **overrides)
+    if config.tie_word_embeddings and head_stored_apart(path):  # as transformers loads it, and says so
+        warnings.warn(f"{path / 'config.json'} ties the LM head to the embeddings, but the checkpoint stores a "
+                      "different head: it is loaded untied (set tie_word_embeddings false to silence this)",
+                      stacklevel=2)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
     dtype = resolve_dtype(dtype, device, config.dtype)
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
@@ -255,6 +263,17 @@ def runs_fp8(device: torch.device) -> bool:
     """Whether the fused kernels can read FP8 weights on `device`: Triton converts float8_e4m3fn
     on GPUs of compute capability 8.9 (Ada, Hopper) or newer, and in its CPU interpreter."""
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def head_stored_apart(path: Path) -> bool:
+    """Whether the checkpoint stores an LM head of its own that differs from its embeddings (its
+    config may say they are tied: transformers then keeps the stored head, untied)."""
+    found = {}
+    for shard in checkpoint_files(path):
+        with _open(path / shard) as f:
+            found.update({key: f.get_tensor(key) for key in (HEAD, EMBEDDINGS) if key in f.keys()})
+    return HEAD in found and (EMBEDDINGS not in found or found[HEAD].shape != found[EMBEDDINGS].shape
+                              or not torch.equal(found[HEAD], found[EMBEDDINGS]))
 
 
 def fp8_weight_keys(path: Path) -> set[str]:

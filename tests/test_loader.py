@@ -7,6 +7,7 @@ import torch
 import transformers
 from checkpoints import hf_config, hf_model, save
 from safetensors.torch import load_file, save_file
+from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
 import qwen3.loader
 from qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -75,6 +76,12 @@ def test_a_missing_size_is_named_with_the_file(checkpoint):
         (dict(use_sliding_window=True, sliding_window=64), "sliding-window attention"),
         (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "'longrope' is not implemented"),
         (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
+        # a wrong value: one line naming the file and the field, never a traceback from the arithmetic
+        (dict(hidden_size="128"), r"ckpt/config.json: hidden_size must be an integer >= 1, got '128'"),
+        (dict(num_key_value_heads=0), r"ckpt/config.json: num_key_value_heads must be an integer >= 1, got 0"),
+        (dict(max_position_embeddings=0), r"config.json: max_position_embeddings must be an integer >= 1"),
+        (dict(rope_parameters={"rope_theta": "1e4"}), r"config.json: rope_theta must be a finite number > 0"),
+        (dict(rms_norm_eps=-1), r"config.json: rms_norm_eps must be a finite number >= 0, got -1"),
     ],
 )
 def test_unsupported_configs_are_refused(checkpoint, changes, message):
@@ -83,9 +90,12 @@ def test_unsupported_configs_are_refused(checkpoint, changes, message):
         load(checkpoint)
 
 
-def test_unknown_norm_impl_is_refused(checkpoint):
-    with pytest.raises(ValueError, match="norm_impl must be one of"):
-        load(checkpoint, norm_impl="fast")
+@pytest.mark.parametrize("override", [dict(norm_impl="fast"), dict(norm_impl=""), dict(norm_impl=False),
+                                      dict(kernels=""), dict(kernels=0)])
+def test_unknown_norm_impl_or_kernels_is_refused(checkpoint, override):
+    """Every value but None (the default) is checked: an empty or false one is no request for "auto"."""
+    with pytest.raises(ValueError, match=f"{next(iter(override))} must be one of"):
+        load(checkpoint, **override)
 
 
 def test_missing_directory_and_files(tmp_path, checkpoint):
@@ -165,6 +175,19 @@ def test_tied_checkpoint_shares_the_embedding(tmp_path):
     model = load(path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not model.lm_head.weight.is_meta
+
+
+def test_a_head_stored_apart_from_embeddings_said_tied_is_loaded_as_transformers_does(tmp_path):
+    """config.json says tied, the checkpoint stores a different head: transformers keeps the stored
+    head (untied) and warns; so do we: the same logits, and a warning naming the file."""
+    path = save(hf_model(seed=3, tie_word_embeddings=False), tmp_path)
+    edit_config(path, tie_word_embeddings=True)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.warns(UserWarning, match="config.json ties the LM head to the embeddings"):
+        ours = load(path)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), reference(ids).logits, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
 
 
 def test_default_dtype_is_float32_on_the_cpu_and_names_are_accepted(tmp_path):
