@@ -26,7 +26,7 @@ import torch
 
 from ops import IMPLS, KERNELS
 from qwen3.config import Qwen3Config
-from qwen3.loader import DTYPES, read_generation_config, resolve_dtype
+from qwen3.loader import DTYPES, checkpoint_dtype, read_generation_config, resolve_dtype
 from runtime.text import load_tokenizer
 from serve.engine import PREFILL_TOKENS, PREFILL_TOKENS_CPU
 from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec
@@ -170,7 +170,8 @@ def check_model(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
         bad_flag(str(err))
     args.checkpoint = find_checkpoint(args.model, args.revision)
     try:
-        dtype = resolve_dtype(args.dtype, device, Qwen3Config.from_json(args.checkpoint).dtype)
+        dtype = resolve_dtype(args.dtype, device, checkpoint_dtype(args.checkpoint,
+                                                                   Qwen3Config.from_json(args.checkpoint)))
         read_generation_config(args.checkpoint)
     except (OSError, ValueError) as err:
         fail(f"cannot load {args.model}: {err}")

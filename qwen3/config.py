@@ -48,7 +48,7 @@ class Qwen3Config:
     rope_scaling: dict | None = None
     attention_bias: bool = False
     tie_word_embeddings: bool = True
-    dtype: str = "bfloat16"  # the checkpoint's dtype
+    dtype: str | None = None  # the checkpoint's dtype, as config.json states it (None: it does not)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
@@ -134,7 +134,7 @@ class Qwen3Config:
                                     raw.get("max_position_embeddings", cls.max_position_embeddings)))
         raw["rope_theta"] = rope_theta
         raw["rope_scaling"] = {"rope_type": rope_type, **rope} if rope_type != "default" else None
-        raw["dtype"] = raw.get("dtype") or raw.pop("torch_dtype", None) or cls.dtype
+        raw["dtype"] = raw.get("dtype") or raw.pop("torch_dtype", None)
         raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
         raw.setdefault("num_key_value_heads", raw["num_attention_heads"])
         raw.update(overrides)

@@ -191,7 +191,7 @@ def load_model(
                       "different head: it is loaded untied (set tie_word_embeddings false to silence this)",
                       stacklevel=2)
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    dtype = resolve_dtype(dtype, device, config.dtype)
+    dtype = resolve_dtype(dtype, device, checkpoint_dtype(path, config))
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
     fused = ops.resolve_kernels(config.kernels, device) == "fused"
@@ -263,6 +263,22 @@ def runs_fp8(device: torch.device) -> bool:
     """Whether the fused kernels can read FP8 weights on `device`: Triton converts float8_e4m3fn
     on GPUs of compute capability 8.9 (Ada, Hopper) or newer, and in its CPU interpreter."""
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors' names
+
+
+def checkpoint_dtype(path: Path, config: Qwen3Config) -> str:
+    """The checkpoint's dtype, as dtype "auto" loads it (transformers' rule): config.json's, else
+    that of the first floating-point tensor stored (float32 if there is none)."""
+    if config.dtype is not None:
+        return config.dtype
+    for shard in checkpoint_files(path):
+        with _open(path / shard) as f:
+            for key in f.keys():
+                if (stored := f.get_slice(key).get_dtype()) in STORED_DTYPES:
+                    return STORED_DTYPES[stored]
+    return "float32"
 
 
 def head_stored_apart(path: Path) -> bool:

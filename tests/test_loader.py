@@ -190,6 +190,19 @@ def test_a_head_stored_apart_from_embeddings_said_tied_is_loaded_as_transformers
         torch.testing.assert_close(ours(ids), reference(ids).logits, rtol=LOGITS_FP32_RTOL, atol=LOGITS_FP32_ATOL)
 
 
+def test_auto_dtype_without_one_in_the_config_is_the_stored_tensors(tmp_path):
+    """dtype "auto" and a config.json that states none: the stored tensors' dtype, as transformers
+    reads it (not a default of ours)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        path = save(hf_model(seed=4, dtype=dtype), tmp_path / str(dtype))
+        raw = json.loads((path / "config.json").read_text())
+        raw.pop("dtype", None), raw.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps(raw))
+        reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        ours = Qwen3ForCausalLM.from_pretrained(path, dtype="auto", progress=False)
+        assert ours.lm_head.weight.dtype == reference.lm_head.weight.dtype == dtype
+
+
 def test_default_dtype_is_float32_on_the_cpu_and_names_are_accepted(tmp_path):
     path = save(hf_model(seed=2, dtype=torch.bfloat16), tmp_path)
 
