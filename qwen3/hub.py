@@ -61,6 +61,8 @@ def resolve_checkpoint(name: str | os.PathLike, revision: str | None = None) -> 
         return path
     if not looks_like_repo_id(str(name)):
         raise FileNotFoundError(f"model directory {path} does not exist")
+    if revision is not None and not isinstance(revision, str):
+        raise TypeError(f"revision must be a branch, tag or commit name (a string), got {revision!r}")
     if revision is not None and (not revision.strip() or ".." in revision.split("/")):
         raise ValueError(f"revision {revision!r} is no branch, tag or commit name")
     snapshot = download(str(name), revision, SMALL_FILES)

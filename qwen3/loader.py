@@ -86,8 +86,11 @@ def index_shards(path: Path) -> dict[str, list[str]] | None:
         return None
     try:
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError) as err:
+    except (json.JSONDecodeError, KeyError, TypeError) as err:  # TypeError: not a JSON object
         raise ValueError(f"{path / INDEX_FILE} is not a valid safetensors index: {err!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise ValueError(f"{path / INDEX_FILE} is not a valid safetensors index: its weight_map must map "
+                         "tensor names to shard file names")
     shards: dict[str, list[str]] = {}
     for key, shard in weight_map.items():
         shards.setdefault(shard, []).append(key)

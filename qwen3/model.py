@@ -119,6 +119,8 @@ class Qwen3ForCausalLM(nn.Module):
         check_input_ids(input_ids)
         B, T = input_ids.shape
         device, limit = input_ids.device, self.config.max_position_embeddings
+        if not input_ids.numel():  # no rows, or rows of no token: no logits
+            return self.lm_head.weight.new_empty(B, T, self.config.vocab_size)
         if not static_shapes(device):
             check_in_vocab(input_ids, self.config.vocab_size)
         if positions is None:

@@ -70,6 +70,8 @@ def test_what_resolves_to_nothing_is_one_line_that_says_what_to_do(offline_cache
         resolve_checkpoint(offline_cache, revision="main")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_checkpoint(tmp_path / "nowhere")  # a path, never a repo id
+    with pytest.raises(TypeError, match="revision must be a branch, tag or commit name"):
+        resolve_checkpoint(REPO, revision=1)
 
 
 def test_a_sharded_repo_resolves_to_the_shards_its_index_names_and_a_partial_cache_is_one_line(

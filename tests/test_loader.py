@@ -159,6 +159,13 @@ def test_shard_named_in_index_but_absent(sharded):
         load(sharded)
 
 
+@pytest.mark.parametrize("index", [[], {"weight_map": []}, {"weight_map": {"lm_head.weight": 3}}])
+def test_an_index_of_the_wrong_shape_is_one_line(sharded, index):
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not a valid safetensors index"):
+        load(sharded)
+
+
 def test_index_pointing_to_the_wrong_shard(sharded):
     path = sharded / "model.safetensors.index.json"
     index = json.loads(path.read_text())

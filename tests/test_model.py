@@ -185,6 +185,18 @@ def test_a_batch_of_single_tokens_matches_transformers(tmp_path, path):
                                    atol=LOGITS_FP32_ATOL)
 
 
+def test_no_tokens_give_no_logits(tmp_path):
+    """Rows of no token, or no rows: logits of that shape (transformers raises from inside its
+    attention: a reshape of 0 elements), empty in, empty out."""
+    reference = hf_model(seed=4)
+    save(reference, tmp_path)
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE, progress=False)
+    V = reference.config.vocab_size
+    for B, T in ((1, 0), (0, 3)):
+        with torch.no_grad():
+            assert model(torch.zeros(B, T, dtype=torch.long, device=DEVICE)).shape == (B, T, V)
+
+
 def test_bf16_logits_close_to_transformers_bf16(tmp_path):
     """Both in bf16: same casts, different matmul/attention kernels (SDPA vs eager)."""
     reference = hf_model(seed=5, dtype=torch.bfloat16)
