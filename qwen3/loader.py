@@ -189,17 +189,18 @@ def load_model(
     device = resolve_device(device)
     overrides = {key: value for key, value in (("norm_impl", norm_impl), ("kernels", kernels)) if value is not None}
     config = Qwen3Config.from_json(path, **overrides)
-    if config.tie_word_embeddings and head_stored_apart(path):  # as transformers loads it, and says so
-        warnings.warn(f"{path / 'config.json'} ties the LM head to the embeddings, but the checkpoint stores a "
-                      "different head: it is loaded untied (set tie_word_embeddings false to silence this)",
-                      stacklevel=2)
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    dtype = resolve_dtype(dtype, device, checkpoint_dtype(path, config))
     generation_config = read_generation_config(path)  # before the weights: a bad value fails at once
     ops.resolve_impl(config.norm_impl, device)  # refuses, e.g., triton on a CPU before anything loads
     fused = ops.resolve_kernels(config.kernels, device) == "fused"
     check_quantization(quantization)
     device, tp = tensor_parallel_part(config, device, quantization) if tensor_parallel else (device, None)
+    # What the config leaves to the weights (after every check that needs none of them):
+    dtype = resolve_dtype(dtype, device, checkpoint_dtype(path, config))
+    if config.tie_word_embeddings and head_stored_apart(path):  # as transformers loads it, and says so
+        warnings.warn(f"{path / 'config.json'} ties the LM head to the embeddings, but the checkpoint stores a "
+                      "different head: it is loaded untied (set tie_word_embeddings false to silence this)",
+                      stacklevel=2)
+        config = dataclasses.replace(config, tie_word_embeddings=False)
 
     block = fp8_block_size(json.loads((path / "config.json").read_text()), str(path / "config.json"))
     keep_fp8 = fused and tp is None and runs_fp8(device)
