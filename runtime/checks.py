@@ -1,6 +1,8 @@
 """Checks of what callers hand the model and the runtime, each in one place: token ids, their range,
 a request's lengths and seed (model.generate and the serving engine make the same checks here)."""
 
+import operator
+
 import torch
 
 from .sampling import ParameterError, problem
@@ -10,6 +12,17 @@ def check_input_ids(input_ids) -> None:
     """TypeError unless a LongTensor [batch, seq_len]."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long or input_ids.dim() != 2:
         raise TypeError("input_ids must be a LongTensor of shape [batch, seq_len]")
+
+
+def token_id(value, name: str) -> int:
+    """value as a token id (a Python int from any integer type: numpy's, a 0-d tensor); TypeError
+    naming `name` for anything else (a float, a bool)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an integer token id (or a list of them), got {value!r}")
 
 
 def check_in_vocab(input_ids: torch.Tensor, vocab_size: int) -> None:

@@ -25,7 +25,6 @@ gives none), so all ranks choose the same tokens, stop at the same step and stay
 next collective. The captured decode step holds the all-reduces.
 """
 
-import operator
 from collections.abc import Callable
 
 import torch
@@ -34,7 +33,7 @@ from ops import resolve_kernels
 
 from . import metadata
 from .cache import PagedKVCache
-from .checks import check_in_vocab, check_input_ids, check_request
+from .checks import check_in_vocab, check_input_ids, check_request, token_id
 from .graphs import GraphRunner, resolve_cuda_graph
 from .sampler import Sampler, random_seed
 from .sampling import SamplingParams, sampling_params
@@ -56,16 +55,6 @@ def resolve_eos(eos_token_id: int | list[int] | None, generation_config: dict, c
         eos = eos.tolist() if not eos.is_floating_point() and eos.dim() <= 1 else [eos]
     ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
     return [token_id(t, "eos_token_id") for t in ids]
-
-
-def token_id(value, name: str) -> int:
-    """value as a token id (a Python int from any integer type); TypeError naming `name` otherwise."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be an integer token id (or a list of them), got {value!r}")
 
 
 def stop_ids(model, tokenizer) -> set[int]:
@@ -187,7 +176,7 @@ def generate(
         if bool(attention_mask.all()):
             attention_mask = None  # no padding: the prefill takes the plain causal path
     if max_new_tokens == 0:
-        return input_ids.clone()  # a tensor of its own, as when tokens are generated
+        return input_ids
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     fused = resolve_kernels(config.kernels, device) == "fused"
     choose = TokenChoice(input_ids, valid, config.vocab_size, params, seeds, eos, pad, fused)

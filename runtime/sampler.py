@@ -27,7 +27,7 @@ from ops.sampling import NEUTRAL, PARAMS, choose_tokens, fused_supports
 
 from .grammar import allow, mask_words
 from .sampling import SamplingParams
-from .staging import staged
+from .staging import staged, to_device
 
 HOWS = ("greedy", "fused", "reference")
 
@@ -80,8 +80,8 @@ class Sampler:
         if self.seen is not None:
             self.seen[row] = False
             if len(seen_ids):
-                seen = seen_ids if isinstance(seen_ids, torch.Tensor) else staged(list(seen_ids), self.seen.device)
-                self.seen[row].index_fill_(0, seen.to(self.seen.device, non_blocking=True), True)
+                seen = seen_ids if isinstance(seen_ids, torch.Tensor) else list(seen_ids)
+                self.seen[row].index_fill_(0, to_device(seen, self.seen.device, torch.long), True)
 
     def allow_rows(self, rows: torch.Tensor, words: torch.Tensor) -> None:
         """Rows `rows` (on the device) may choose only the tokens of words [len(rows), W] (host int32,

@@ -21,7 +21,10 @@ def staged(data, device: torch.device, dtype: torch.dtype | None = None) -> torc
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """data on device, its copy queued behind the work in flight (see the module docstring)."""
+    """data on device, its copy queued behind the work in flight (see the module docstring); a
+    tensor already on a GPU is copied from there."""
+    if isinstance(data, torch.Tensor) and data.device.type != "cpu":
+        return data.to(device=device, dtype=dtype, non_blocking=True)
     if device.type != "cuda":
         return torch.as_tensor(data, dtype=dtype, device=device)
     return staged(data, device, dtype).to(device, non_blocking=True)

@@ -66,8 +66,9 @@ class Choice:
         held-back text is let go."""
         final = out.finish_reason is not None if final is None else final
         logprobs = self.write_logprobs(out)
+        news = final or logprobs is not None or self.prompt_ids is not None  # beside the text: always sent
         if self.reply is None:
-            if not (out.text or final or logprobs is not None or self.prompt_ids is not None):
+            if not (out.text or news):
                 return None
             return self.ids({"index": self.index, "text": out.text, "logprobs": logprobs,
                              "finish_reason": out.finish_reason}, out.token_ids)
@@ -78,7 +79,7 @@ class Choice:
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
             self.called = True
-        if not (delta or final or logprobs is not None or self.prompt_ids is not None):
+        if not (delta or news):
             return None
         return self.ids({"index": self.index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason(out.finish_reason, self.called)}, out.token_ids)
