@@ -151,11 +151,19 @@ def generate(
     B, T = input_ids.shape
     if B == 0:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} holds no prompt: generation needs at least one row")
-    check_request(T, max_new_tokens, config.max_position_embeddings, seed, new_name="max_new_tokens", least=0)
-    check_in_vocab(input_ids, config.vocab_size)
     device = model.lm_head.weight.device
-    cuda_graph = resolve_cuda_graph(cuda_graph, device)
     input_ids = input_ids.to(device)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
+        attention_mask = check_padding(attention_mask.to(device))
+    # The context holds each row's tokens, not its padding: the longest row is what must fit.
+    longest = T if attention_mask is None else int(attention_mask.sum(1).max())
+    check_request(longest, max_new_tokens, config.max_position_embeddings, seed, new_name="max_new_tokens", least=0)
+    check_in_vocab(input_ids, config.vocab_size)
+    cuda_graph = resolve_cuda_graph(cuda_graph, device)
 
     eos_ids = resolve_eos(eos_token_id, gen_config, config)
     if not all(0 <= t < config.vocab_size for t in eos_ids):
@@ -166,22 +174,14 @@ def generate(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     seeds = row_seeds(seed, B, getattr(model, "tp", None))
 
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a tensor like input_ids, got {type(attention_mask).__name__}")
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
-        attention_mask = attention_mask.to(device)
-        attention_mask = check_padding(attention_mask)
-        if bool(attention_mask.all()):
-            attention_mask = None  # no padding: the prefill takes the plain causal path
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None  # no padding: the prefill takes the plain causal path
     if max_new_tokens == 0:
         return input_ids
     valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     fused = resolve_kernels(config.kernels, device) == "fused"
     choose = TokenChoice(input_ids, valid, config.vocab_size, params, seeds, eos, pad, fused)
     lengths = valid.sum(1)  # [B]: each row's tokens
-    longest = int(lengths.max())
     per_row = -(-(longest + max_new_tokens) // BLOCK_SIZE)
     cache = PagedKVCache.for_model(model, B * per_row, BLOCK_SIZE)
     tables = torch.arange(B * per_row, device=device).view(B, per_row)  # row b's blocks, in order

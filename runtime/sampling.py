@@ -6,6 +6,7 @@ GREEDY_BELOW) means greedy (the argmax of the penalized logits).
 """
 
 import math
+import numbers
 from dataclasses import dataclass, fields
 
 from ops.sampling.params import NEUTRAL
@@ -41,10 +42,17 @@ class ParameterError(ValueError):
         self.param = param
 
 
+def plain(value):
+    """A number of any type (numpy's scalars) as Python's int or float; anything else as it is."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def problem(name: str, value) -> str | None:
     """What is wrong with `value` for the sampling parameter `name` ("must be ..., got ..."), or None."""
     test, must = RULES[name]
-    return None if test(value) else f"must be {must}, got {value!r}"
+    return None if test(plain(value)) else f"must be {must}, got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for field in fields(self):
+            object.__setattr__(self, field.name, plain(getattr(self, field.name)))
             wrong = problem(field.name, getattr(self, field.name))
             if wrong:
                 raise ParameterError(field.name, f"{field.name} {wrong}")

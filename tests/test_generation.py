@@ -175,6 +175,7 @@ def test_seed_makes_sampling_reproducible(models):
     b = ours.generate(ids, seed=123, **kwargs)
     c = ours.generate(ids, seed=124, **kwargs)
     assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(ours.generate(ids, seed=np.int64(123), **kwargs | dict(top_p=np.float64(0.9))), a)
 
 
 def test_a_seeded_row_of_a_batch_samples_what_its_prompt_samples_alone(models):
@@ -238,6 +239,12 @@ def test_refusals_before_any_compute(models):
     ctx = ours.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"maximum context length is {ctx} tokens.*requested {ctx + 1} tokens"):
         ours.generate(torch.zeros(1, ctx - 3, dtype=torch.long, device=DEVICE), max_new_tokens=4)
+    # The context holds a row's tokens, not its padding: a short row padded wider than what fits is taken.
+    row = prompts([4], ours.config.vocab_size, seed=3)
+    ids, mask = left_pad([[0] * (ctx - 6) + row[0]])
+    mask[:, : ctx - 6] = 0
+    alone = ours.generate(torch.tensor(row, device=DEVICE), max_new_tokens=4, temperature=0.0)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=4, temperature=0.0)[:, -8:], alone)
     with pytest.raises(ValueError, match="token ids in"):
         ours.generate(torch.full((1, 3), ours.config.vocab_size, device=DEVICE), max_new_tokens=4)
     with pytest.raises(ValueError, match="temperature must be >= 0"):

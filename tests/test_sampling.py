@@ -1,6 +1,7 @@
 """Sampling parameters' refusals, and penalized generation against transformers' generate (the
 sampler's draws are tests/test_sampler.py's)."""
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import hf_model, save
@@ -30,6 +31,18 @@ from runtime.sampling import SamplingParams
 def test_invalid_values_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**bad)
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_equal():
+    """A value read from a numpy array means what the Python number does; a numpy float is still
+    not an integer (top_k), nor a numpy bool a number."""
+    assert SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.875)) == \
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.875)
+    assert type(SamplingParams(top_k=np.int32(3)).top_k) is int
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0 .*, got 2.0"):
+        SamplingParams(top_k=np.float32(2))
+    with pytest.raises(ValueError, match="temperature must be >= 0 and finite"):
+        SamplingParams(temperature=np.bool_(True))
 
 
 @pytest.fixture(scope="module")
