@@ -32,10 +32,10 @@ from serve.engine import PREFILL_TOKENS, PREFILL_TOKENS_CPU
 from serve.engine_process import ANSWER_TIMEOUT_S, HEARTBEAT_S, EngineProcess, EngineSpec
 from serve.steps import PREFILL_GRAPH_TOKENS
 
-from . import model_flags
+from . import model_flags, output
 from .model_flags import add_model_flags
+from .output import bad_flag, fail
 
-PROG = "serve.py"  # the name its messages start with: main's prog (the installed command's own)
 SHUTDOWN_TIMEOUT_S = 30.0  # systemd's and Kubernetes' own waits before a SIGKILL are 90 and 30 s
 
 
@@ -45,8 +45,10 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, prog: str = "serve.py") -> argparse.Namespace:
+    """The flags, checked; a mistake is one line that starts with prog, and status 2."""
+    output.PROG = prog
+    p = Parser(prog=output.PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
     p.add_argument("--served-model-name", default=None,
                    help="the name clients ask for (default: the repo id, or the directory's name)")
@@ -125,8 +127,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:  # socket.gaierror (an unknown host name) is one too
         sock.close()
         if err.errno == errno.EADDRINUSE:
-            sys.exit(f"{PROG}: error: port {port} on {host} is in use; pick another with --port")
-        sys.exit(f"{PROG}: error: cannot listen on {host} port {port}: {err.strerror or err} (see --host, --port)")
+            fail(f"port {port} on {host} is in use; pick another with --port")
+        fail(f"cannot listen on {host} port {port}: {err.strerror or err} (see --host, --port)")
     return sock
 
 
@@ -141,16 +143,6 @@ class Stop(BaseException):
 
 def stop(sig: int, frame) -> None:
     raise Stop(sig)
-
-
-def fail(message: str):
-    sys.exit(f"{PROG}: error: {message}")
-
-
-def bad_flag(message: str):
-    """A flag that the files show to be wrong: one line and status 2, as argparse's own."""
-    print(f"{PROG}: error: {message} (see --help)", file=sys.stderr)
-    sys.exit(2)
 
 
 def served_name(model: str, checkpoint: Path) -> str:
@@ -292,15 +284,13 @@ def say(line: str) -> None:
     """One line for the user on stderr; safe in a signal handler (one write, no buffer). A stderr
     that is gone (a pipe whose reader has exited) loses the line, never the shutdown it announces."""
     try:
-        os.write(2, f"{PROG}: {line}\n".encode())
+        os.write(2, f"{output.PROG}: {line}\n".encode())
     except OSError:
         pass
 
 
 def main(argv=None, prog: str = "serve.py") -> None:
-    global PROG
-    PROG = prog
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
     try:
