@@ -19,13 +19,15 @@ class ReasoningSplitter:
     """Splits a reply streamed in pieces (cut anywhere, inside a tag too) into reasoning and answer.
     A reply that starts (after blank space) with <think> reasons until </think>; one that does not
     is all answer. `thinking=True`: the prompt itself opened the think block. The newlines that follow
-    a tag are dropped, as Qwen3's template drops them from the reasoning and the answer it stores."""
+    a tag, and those before </think>, are dropped, as Qwen3's template drops them from the reasoning
+    and the answer it stores."""
 
     def __init__(self, thinking: bool = False, plain: bool = False):
         """plain: no chat template, so no reasoning: every piece is answer."""
         self.part: Part | None = Part.REASONING if thinking else Part.ANSWER if plain else None  # None: not yet known
         self.held = ""  # text that may still turn out to be (part of) a tag
         self.after_tag = thinking  # the next text follows a tag: its leading newlines go
+        self.reasoned = thinking  # the reply has a reasoning block
         self.answer = ""  # the answer so far: what the history keeps
 
     def feed(self, piece: str) -> list[tuple[Part, str]]:
@@ -36,6 +38,7 @@ class ReasoningSplitter:
             start = self.held.lstrip()
             if start.startswith(OPEN):
                 self.part, self.held, self.after_tag = Part.REASONING, start[len(OPEN):], True
+                self.reasoned = True
             elif OPEN.startswith(start):
                 return out  # blank space or a part of <think>: wait for more
             else:
@@ -43,10 +46,10 @@ class ReasoningSplitter:
         if self.part is Part.REASONING:
             before, closed, after = self.held.partition(CLOSE)
             if closed:
-                self.emit(out, Part.REASONING, before)
+                self.emit(out, Part.REASONING, before.rstrip("\n"))
                 self.part, self.held, self.after_tag = Part.ANSWER, after, True
-            else:
-                cut = len(self.held) - held_tail(self.held, CLOSE)
+            else:  # held: what may begin </think>, and the newlines before it
+                cut = len(self.held[: len(self.held) - held_tail(self.held, CLOSE)].rstrip("\n"))
                 self.emit(out, Part.REASONING, self.held[:cut])
                 self.held = self.held[cut:]
         if self.part is Part.ANSWER:

@@ -13,7 +13,8 @@ from .streams import Outputs
 
 
 def finish_reason(reason: str | None, called: bool) -> str | None:
-    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do."""
+    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do
+    (but for a call of the function tool_choice named: "stop", as OpenAI's, and vLLM's, do)."""
     return "tool_calls" if reason == "stop" and called else reason
 
 
@@ -25,7 +26,7 @@ class Choice:
     reply: ReplyParser | None  # a chat reply's parser; None: a completion
     prompt_ids: list[int] | None  # return_token_ids: the prompt's ids, in the first chunk or the choice
     logprobs: LogprobsWriter | None = None  # the request asked for log-probabilities
-    called: bool = False  # a tool call was sent
+    called: bool = False  # a tool call was sent (not of a function that tool_choice named)
     first: bool = True  # no chunk sent yet
 
     def write_logprobs(self, out: Output) -> RawJSON | dict | None:
@@ -36,15 +37,17 @@ class Choice:
         """The choice of a response that is not streamed, from its last output (every one merged)."""
         if self.reply is not None:
             delta = self.reply.feed(out.text, final=True)
-            # OpenAI's: null beside calls, and (vLLM's) beside reasoning when there is no answer
-            content = (delta.content or None) if delta.calls or delta.reasoning else delta.content
+            # OpenAI's: null beside calls (or where calls were forced), and (vLLM's) after a
+            # reasoning block when there is no answer
+            reasoned = self.reply.splitter is not None and self.reply.splitter.reasoned
+            content = (delta.content or None) if delta.calls or self.reply.forced or reasoned else delta.content
             message = {"role": "assistant", "content": content}
             if self.reply.splitter is not None:
                 message["reasoning_content"] = delta.reasoning or None
             if delta.calls:
                 message["tool_calls"] = [call.as_dict() for call in delta.calls]
             choice = {"index": self.index, "message": message, "logprobs": self.write_logprobs(out),
-                      "finish_reason": finish_reason(out.finish_reason, bool(delta.calls))}
+                      "finish_reason": finish_reason(out.finish_reason, bool(delta.calls) and not self.reply.named)}
         else:
             choice = {"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
                       "finish_reason": out.finish_reason}
@@ -78,7 +81,7 @@ class Choice:
             delta["reasoning_content"] = parsed.reasoning
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
-            self.called = True
+            self.called = not self.reply.named
         if not (delta or news):
             return None
         return self.ids({"index": self.index, "delta": delta, "logprobs": logprobs,

@@ -18,11 +18,11 @@ call is Qwen3's (hermes) format, as its chat template asks for it and serve/repl
 tool's parameters schema.
 """
 
-import json
 
 from runtime.grammar import structural_tag
 from runtime.reasoning import CLOSE, OPEN
 
+from .reply import CALL_END, TOOL_OPEN, call_begin
 from .schemas import opened
 
 # Whitespace between two JSON tokens: one character at most (a space or a newline, never a run):
@@ -66,9 +66,15 @@ def response_grammar(kind: str, schema: dict | None, reasoning: str) -> str | No
 def tool_call(name: str, parameters: dict | None) -> dict:
     """One call of the named tool, its arguments following its parameters; `{}` for a tool without
     (OpenAI: "omitting parameters defines a function with an empty parameter list")."""
-    return {"type": "tag", "begin": '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ',
-            "content": json_format(parameters if parameters is not None else NO_PARAMETERS),
-            "end": "}\n</tool_call>"}
+    return {"type": "tag", "begin": call_begin(name),
+            "content": json_format(parameters if parameters is not None else NO_PARAMETERS), "end": CALL_END}
+
+
+def calls_constrained(tools: list[tuple[str, dict | None, bool]], choice: str, parallel: bool) -> bool:
+    """Whether the grammar writes the reply's tool calls (tool_grammar's rule): so that a call that
+    begins is one, and its arguments follow its tool's schema."""
+    unconstrained = choice == "auto" and parallel and not any(strict for _, _, strict in tools)
+    return bool(tools) and choice != "none" and not unconstrained
 
 
 def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reasoning: str,
@@ -78,13 +84,12 @@ def tool_grammar(tools: list[tuple[str, dict | None, bool]], choice: str, reason
     "auto" (text and calls: constrained only when a tool is strict or calls are not parallel, and
     then every call follows its tool's schema) or "none" (None). parallel False: one call at most
     (OpenAI's parallel_tool_calls), the reply ending with it."""
-    unconstrained = choice == "auto" and parallel and not any(strict for _, _, strict in tools)
-    if choice == "none" or not tools or unconstrained:
+    if not calls_constrained(tools, choice, parallel):
         return None
     names = {name: parameters for name, parameters, _ in tools}
     calls = [tool_call(name, parameters) for name, parameters in names.items()]
     if choice == "auto":
-        return after_reasoning({"type": "triggered_tags", "triggers": ["<tool_call>"], "excludes": THINK_TAGS,
+        return after_reasoning({"type": "triggered_tags", "triggers": [TOOL_OPEN], "excludes": THINK_TAGS,
                                 "tags": calls, "stop_after_first": not parallel}, reasoning)
     if choice == "required":
         return after_reasoning({"type": "tags_with_separator", "tags": calls, "separator": "\n",

@@ -16,7 +16,7 @@ import jinja2.meta
 from runtime.grammar import check_spec, structural_tag
 from runtime.reasoning import ReasoningSplitter
 
-from .constraints import json_format, reasoning_of, response_grammar, tool_grammar
+from .constraints import calls_constrained, json_format, reasoning_of, response_grammar, tool_grammar
 from .protocol import ChatRequest, CompletionRequest, NamedToolChoice, OpenAIError, SamplingFields, short
 from .reply import ReplyParser
 from .schemas import unenforced
@@ -145,16 +145,13 @@ def reply_grammar(req: SamplingFields, block: str, chat: bool) -> str | None:
                               "does)", param="response_format.json_schema")
         spec = response_grammar(fmt.type, schema, block)
         checked(spec, "response_format.json_schema.schema", schema)
-    tools, choice = (req.tools or [], req.tool_choice or "auto") if chat else ([], "auto")
-    if isinstance(choice, NamedToolChoice):
-        choice = choice.function.name
-        if choice not in {t.function.name for t in tools}:
-            raise OpenAIError(400, f"tool_choice names the function {choice!r}, which is not among the tools "
-                              "of the request", param="tool_choice")
+    tools, choice = (req.tools or [], tool_choice(req)) if chat else ([], "auto")
+    if chat and isinstance(req.tool_choice, NamedToolChoice) and choice not in {t.function.name for t in tools}:
+        raise OpenAIError(400, f"tool_choice names the function {choice!r}, which is not among the tools "
+                          "of the request", param="tool_choice")
     if choice == "required" and not tools:
         raise OpenAIError(400, "tool_choice 'required' needs tools", param="tool_choice")
-    calls = tool_grammar([(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools],
-                         choice, block, parallel=chat and req.parallel_tool_calls is not False)
+    calls = tool_grammar(tool_specs(tools), choice, block, parallel=chat and req.parallel_tool_calls is not False)
     if calls is not None:
         if spec is not None:
             raise OpenAIError(400, "response_format and a forced or strict tool call would both decide the reply: "
@@ -173,16 +170,32 @@ def reasoning_block(tokenizer, prompt_ids: list[int]) -> str:
     return reasoning_of(tokenizer.chat_template, tokenizer.decode(prompt_ids[-8:]))
 
 
+def tool_choice(req: ChatRequest) -> str:
+    """The request's tool_choice as a word: "auto" (its default), "none", "required", or the name of
+    the function it names."""
+    choice = req.tool_choice or "auto"
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+
+def tool_specs(tools) -> list[tuple[str, dict | None, bool]]:
+    """(name, parameters, strict) of each tool, as serve/constraints.py takes them."""
+    return [(t.function.name, t.function.parameters, bool(t.function.strict)) for t in tools]
+
+
 def reply_parser(split_reasoning: bool, block: str, req: ChatRequest) -> ReplyParser:
     """What takes a chat reply apart (serve/reply.py): with split_reasoning, its reasoning (starting
     inside it when the prompt's reasoning `block` is "inside": the prompt opened the think block,
     as templates of thinking-only models do), and the calls of the request's tools unless
-    tool_choice is none."""
+    tool_choice is none (their arguments streamed as they come where the grammar writes them)."""
     splitter = None
     if split_reasoning:
         splitter = ReasoningSplitter(thinking=block == "inside")
-    tools = {t.function.name for t in req.tools} if req.tools and req.tool_choice != "none" else None
-    return ReplyParser(splitter, tools)
+    choice = tool_choice(req)
+    if not req.tools or choice == "none":
+        return ReplyParser(splitter, None)
+    forced = calls_constrained(tool_specs(req.tools), choice, req.parallel_tool_calls is not False)
+    return ReplyParser(splitter, {t.function.name for t in req.tools}, forced,
+                       named=isinstance(req.tool_choice, NamedToolChoice))
 
 
 def checked(spec: str, where: str, schema) -> None:
@@ -196,7 +209,10 @@ def checked(spec: str, where: str, schema) -> None:
 
 
 def json_object(arguments: str, where: str) -> dict:
-    """A history's tool call arguments as the object the chat template writes, or a 400 naming it."""
+    """A history's tool call arguments as the object the chat template writes, or a 400 naming it;
+    none at all ("", as some clients send a call without arguments) is the empty object."""
+    if not arguments.strip():
+        return {}
     try:
         value = json.loads(arguments)
     except ValueError:

@@ -11,6 +11,12 @@ body is not a JSON object with a known tool's name and an object of arguments st
 as text. A call inside the reasoning is reasoning. Text that may still turn out to be (part of) a
 tag is held back until it is known, so a stream's deltas add up to what the whole reply gives, and
 whitespace around tool calls (Qwen3 writes newlines there) is not content.
+
+A call is known to be one only once it closes, so a stream carries it whole, in one delta; but
+where the grammar writes the calls (`forced`: serve/constraints.py), a call that begins is one,
+and its arguments stream as they come, as OpenAI's do: a first piece with its id, name and empty
+arguments, then pieces of its arguments. A forced call cut short (max_tokens, a stop string) is
+a call with the arguments written so far, as OpenAI returns it (none, if cut before its name).
 """
 
 import json
@@ -20,19 +26,34 @@ from dataclasses import dataclass, field
 from runtime.reasoning import Part, ReasoningSplitter, held_tail
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+CALL_END = "}\n" + TOOL_CLOSE  # what follows a call's arguments, as Qwen3 writes it
+
+
+def call_begin(name: str) -> str:
+    """What comes before a call's arguments, as Qwen3 writes it (and the grammar of a forced call)."""
+    return TOOL_OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 @dataclass
 class ToolCall:
+    """A call, or in a stream a piece of one: its first piece names it, later ones (name None) carry
+    more of its arguments."""
+
     index: int  # its place among the reply's calls
-    name: str
+    name: str | None
     arguments: str  # a JSON object, as OpenAI's API carries it: a string
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str | None = None
 
     def as_dict(self, index: bool = False) -> dict:
         """The call as a message's tool_calls entry (index: as a stream's delta)."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return {"index": self.index, **call} if index else call
+
+
+def new_call(index: int, name: str, arguments: str) -> ToolCall:
+    return ToolCall(index, name, arguments, "call_" + uuid.uuid4().hex[:24])
 
 
 @dataclass
@@ -43,15 +64,25 @@ class Delta:
 
 
 class ReplyParser:
-    def __init__(self, splitter: ReasoningSplitter | None, tools: set[str] | None):
+    def __init__(self, splitter: ReasoningSplitter | None, tools: set[str] | None, forced: bool = False,
+                 named: bool = False):
         """splitter: None when the reply has no reasoning to take apart; tools: the names of the
-        tools whose calls are parsed (None: none are)."""
-        self.splitter, self.tools = splitter, tools
+        tools whose calls are parsed (None: none are); forced: the grammar writes the calls; named:
+        tool_choice named the function (such a reply finishes with "stop", as OpenAI's do)."""
+        self.splitter, self.tools, self.named = splitter, tools, named
+        self.begins = {call_begin(name): name for name in tools or ()} if forced else {}
+        self.open_call: int | None = None  # the index of the forced call whose arguments are arriving
+        self.arguments = ""  # that call's arguments so far
         self.held = ""  # answer text that may be part of a tool call
         self.space = ""  # whitespace at the end of the content so far: content only if text follows
         self.n_calls = 0
         self.after_call = False  # the last thing seen was a call: whitespace after it is not content
         self.said = False  # some content has been given
+
+    @property
+    def forced(self) -> bool:
+        """The grammar writes the reply's calls."""
+        return bool(self.begins)
 
     def feed(self, text: str, final: bool = False) -> Delta:
         parts = [(Part.ANSWER, text)] if self.splitter is None else self.splitter.feed(text)
@@ -64,7 +95,22 @@ class ReplyParser:
             return delta
         self.held += answer
         while True:
+            if self.open_call is not None:
+                if not self.more_arguments(delta):
+                    break
+                continue
             start = self.held.find(TOOL_OPEN)
+            if start >= 0 and self.begins:
+                begun = self.begun_call(self.held[start:])
+                if begun == "":  # may still be a call's beginning
+                    self.text(delta, self.held[:start])
+                    self.held = self.held[start:]
+                    break
+                if begun is not None:
+                    self.text(delta, self.held[:start])
+                    self.held = self.held[start + len(call_begin(begun)) :]
+                    self.open(delta, begun)
+                    continue
             end = self.held.find(TOOL_CLOSE, start) if start >= 0 else -1
             if end < 0:  # no whole call: the text before what may begin one is content
                 keep = len(self.held) - (start if start >= 0 else len(self.held) - held_tail(self.held, TOOL_OPEN))
@@ -79,6 +125,12 @@ class ReplyParser:
                 self.space, self.after_call = "", True  # the whitespace around a call is the call's
                 delta.calls.append(call)
             self.held = self.held[end + len(TOOL_CLOSE) :]
+        if final and self.open_call is not None:  # cut inside a forced call: it keeps what it has
+            if not (CALL_END.startswith(self.held) and complete_json(self.arguments)):  # else only its end was cut
+                self.add_arguments(delta, self.held)
+            self.held, self.open_call = "", None
+        if final and any(begin.startswith(self.held) for begin in self.begins):
+            self.held = ""  # a forced call cut before its name: the format's text, not the answer's
         if final:
             self.text(delta, self.held)
             self.held = ""
@@ -114,4 +166,48 @@ class ReplyParser:
         if not isinstance(arguments, dict):
             return None
         self.n_calls += 1
-        return ToolCall(self.n_calls - 1, value["name"], json.dumps(arguments, ensure_ascii=False))
+        return new_call(self.n_calls - 1, value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def begun_call(self, text: str) -> str | None:
+        """The tool whose forced call `text` (from <tool_call> on) begins; "" while text may still
+        become one's beginning; None when it cannot."""
+        for begin, name in self.begins.items():
+            if text.startswith(begin):
+                return name
+        return "" if any(begin.startswith(text) for begin in self.begins) else None
+
+    def open(self, delta: Delta, name: str) -> None:
+        self.space, self.after_call = "", True
+        self.n_calls += 1
+        self.open_call, self.arguments = self.n_calls - 1, ""
+        delta.calls.append(new_call(self.open_call, name, ""))
+
+    def more_arguments(self, delta: Delta) -> bool:
+        """The open call's arguments that have arrived; whether the call has ended."""
+        end = self.held.find(CALL_END)
+        if end < 0:
+            keep = held_tail(self.held, CALL_END)
+            self.add_arguments(delta, self.held[: len(self.held) - keep])
+            self.held = self.held[len(self.held) - keep :]
+            return False
+        self.add_arguments(delta, self.held[:end])
+        self.held, self.open_call = self.held[end + len(CALL_END) :], None
+        return True
+
+    def add_arguments(self, delta: Delta, text: str) -> None:
+        """More of the open call's arguments: onto its piece of this delta, or a piece of their own."""
+        if not text:
+            return
+        self.arguments += text
+        if delta.calls and delta.calls[-1].index == self.open_call:
+            delta.calls[-1].arguments += text
+        else:
+            delta.calls.append(ToolCall(self.open_call, None, text))
+
+
+def complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

@@ -289,11 +289,14 @@ class Server:
         event {"error": {...}}, which the openai client raises as an APIError. If the client goes
         away, Starlette cancels this generator at its await, and EventStream's on_close cancels the
         sequences. A chat reply's reasoning goes to delta.reasoning_content, its tool calls to
-        delta.tool_calls, a whole call in one delta (Choice.delta)."""
+        delta.tool_calls (serve/reply.py: a call whole in one delta, or, where the grammar writes the
+        calls, its arguments in pieces as they come). With include_usage, every chunk carries
+        "usage": null and one more chunk, without choices, the usage, as OpenAI's stream does."""
         # Every chunk's fields but its choice, written once: the event loop writes a chunk per
         # stream per engine step (tens of thousands a second at hundreds of streams).
-        head = "data: " + json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                      "created": int(time.time()), "model": self.model_name})[:-1] + ', "choices": ['
+        fields = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                  "created": int(time.time()), "model": self.model_name}
+        head = "data: " + json.dumps(fields | ({"usage": None} if include_usage else {}))[:-1] + ', "choices": ['
 
         def chunk(choice: dict) -> str:
             logprobs = choice["logprobs"]
@@ -321,5 +324,5 @@ class Server:
                 if out.finish_reason is not None:
                     last.append(out)
         if include_usage:
-            yield f"{head}], \"usage\": {json.dumps(self.usage(last))}}}\n\n"
+            yield f"data: {json.dumps(fields | {'choices': [], 'usage': self.usage(last)})}\n\n"
         yield "data: [DONE]\n\n"

@@ -367,8 +367,9 @@ def test_unreadable_input_or_unwritable_output_ends_in_one_line(reference, run_c
 
 
 # The reasoning splitter, fed a reply in pieces cut everywhere: (reply, prompt opened <think>, reasoning, answer).
+# The newlines around the reasoning are Qwen3's format, not the reasoning's (its template strips them).
 REPLIES = {
-    "think block": ("<think>\nadd them\n</think>\n\nreturn a + b", False, "add them\n", "return a + b"),
+    "think block": ("<think>\nadd them\n</think>\n\nreturn a + b", False, "add them", "return a + b"),
     "no think block": ("return a + b\n", False, "", "return a + b\n"),
     "blank space first": ("\n <think>plan</think>done", False, "plan", "done"),
     "tags later are text": ("so <think>x</think> y", False, "", "so <think>x</think> y"),
@@ -377,7 +378,7 @@ REPLIES = {
     "a closing tag begun at the end": ("<think>a</thi", False, "a</thi", ""),
     "an opening tag begun at the end": ("<thi", False, "", "<thi"),
     "only blank space": ("\n\n", False, "", "\n\n"),
-    "opened by the prompt": ("plan\n</think>\n\nanswer", True, "plan\n", "answer"),
+    "opened by the prompt": ("plan\n</think>\n\nanswer", True, "plan", "answer"),
 }
 
 

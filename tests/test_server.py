@@ -92,6 +92,8 @@ def test_greedy_completion_equals_the_models_own_streaming_and_not(server, refer
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert len(chunks) > 3 and chunks[-1].usage.completion_tokens == n  # streamed in pieces, usage last
+    assert chunks[-1].choices == [] and all("usage" in ch.model_fields_set and ch.usage is None
+                                            for ch in chunks[:-1])  # null on the others, as OpenAI's
 
 
 def test_raw_stream_is_openai_sse_ending_with_done(server):

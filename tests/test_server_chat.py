@@ -158,6 +158,7 @@ def test_with_thinking_off_the_reply_is_all_content(server, stream):
 def test_a_reply_cut_before_its_think_block_closes_is_all_reasoning(server, stream):
     reasoning, content, reason = ask(server, stream, max_tokens=4)  # <think>, then 3 of THINKING's tokens
     assert reason == "length" and THINKING.startswith(reasoning) and reasoning and content is None
+    assert ask(server, stream, max_tokens=1) == (None, None, "length")  # <think> alone: no answer, none begun
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -261,6 +262,12 @@ def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(
     with pytest.raises(openai.BadRequestError) as refused:
         c.chat.completions.create(model=c.models.list().data[0].id, messages=bad, max_tokens=4)
     assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+    no_arguments = [{"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
+    done = c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=4, temperature=0,
+                                     messages=[history[0], {**history[1], "tool_calls": no_arguments}, history[2]],
+                                     extra_body={"return_token_ids": True})  # as some clients send a call of none
+    prompt = load_tokenizer(SHIPPED).decode(done.choices[0].prompt_token_ids)
+    assert '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>' in prompt
 
 
 def test_a_reply_sent_back_as_clients_send_it_continues_the_conversation(server, checkpoint):
@@ -389,8 +396,42 @@ def test_a_reply_cut_anywhere_gives_the_same_parts():
         return reasoning, content, calls
 
     whole = parse([reply])
-    assert whole == (f"Maybe <tool_call>{known}</tool_call> later.\n",
+    assert whole == (f"Maybe <tool_call>{known}</tool_call> later.",
                      'Sure.\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>\n<tool_call>{bad</tool_call>',
                      [(0, "get_weather", '{"city": "Paris"}')])
     for cut in range(1, len(reply)):
         assert parse([reply[:cut], reply[cut:]]) == whole, cut
+
+
+def test_a_forced_call_streams_its_arguments_and_keeps_them_when_cut():
+    """Where the grammar writes the calls: a call is a call from its name on, its arguments arrive
+    as they come, and the reply cut anywhere (max_tokens) keeps what it has: streamed in two pieces
+    cut at every place, the pieces joined by index give the whole reply's calls; cut at every
+    place, a call has the arguments written so far, and Qwen3's markup is never content."""
+    arguments = '{"city": "Paris", "days": [1, 2]}'
+    reply = (f'<think>\nWeather.\n</think>\n\n<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+
+    def parse(pieces):
+        parser = ReplyParser(ReasoningSplitter(), {"get_weather", "now"}, forced=True)
+        reasoning, content, calls = "", "", {}
+        for i, piece in enumerate(pieces):
+            delta = parser.feed(piece, final=i == len(pieces) - 1)
+            reasoning, content = reasoning + delta.reasoning, content + delta.content
+            for call in delta.calls:
+                if call.name is not None:
+                    assert call.index not in calls and call.id.startswith("call_")
+                    calls[call.index] = [call.name, ""]
+                calls[call.index][1] += call.arguments
+        return reasoning, content, [tuple(calls[i]) for i in sorted(calls)]
+
+    whole = parse([reply])
+    assert whole == ("Weather.", "", [("get_weather", arguments), ("now", "{}")])
+    for cut in range(1, len(reply)):
+        assert parse([reply[:cut], reply[cut:]]) == whole, cut
+    for cut in range(len("<think>"), len(reply)):  # <think> is one token of Qwen3's: never cut inside
+        reasoning, content, calls = parse([reply[:cut]])
+        assert content == "" and all(arguments.startswith(a) or a == "{}" for _, a in calls), cut
+    start = reply.index(arguments)
+    for cut in range(start, start + len(arguments)):
+        assert parse([reply[:cut]])[2] == [("get_weather", reply[start:cut])], cut

@@ -252,22 +252,41 @@ def test_fifty_random_schemas_each_parse_and_validate(server):
     jsonschema.validate(json.loads(completion.choices[0].text), schemas[0])
 
 
+def streamed_calls(stream) -> tuple[list[tuple[str, str]], int, str | None, str | None]:
+    """A chat stream's tool calls as agent frameworks put them together (name from a call's first
+    piece, its arguments' pieces joined by index): [(name, arguments)], how many pieces the
+    arguments came in, the content, the finish reason."""
+    calls, pieces, content, reason = {}, 0, None, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content = content + delta.content if delta.content else content
+        reason = chunk.choices[0].finish_reason or reason
+        for piece in delta.tool_calls or []:
+            if piece.function.name is not None:
+                assert piece.id.startswith("call_") and piece.index not in calls
+                calls[piece.index] = [piece.function.name, ""]
+            calls[piece.index][1] += piece.function.arguments or ""
+            pieces += bool(piece.function.arguments)
+    return [tuple(calls[i]) for i in sorted(calls)], pieces, content, reason
+
+
 def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
     """tool_choice a named function: one call of it, its arguments of its schema, finish_reason
-    tool_calls, streamed or not; "required" with parallel_tool_calls false: one call of one of the
-    tools, and nothing else; a tool without parameters: calls with no arguments ({})."""
+    stop (OpenAI's for a named function), streamed as they come or whole; "required" with
+    parallel_tool_calls false: one call of one of the tools, nothing else, finish_reason
+    tool_calls; a tool without parameters: calls with no arguments ({})."""
     c = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     reply = c.chat.completions.create(**chat(tools=tools, tool_choice=named)).choices[0]
-    assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
+    assert reply.finish_reason == "stop" and len(reply.message.tool_calls) == 1 and reply.message.content is None
     call = reply.message.tool_calls[0].function
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER)
-    streamed = [d for ch in c.chat.completions.create(**chat(tools=tools, tool_choice=named), stream=True)
-                for d in ch.choices[0].delta.tool_calls or []]
-    assert [(d.function.name, d.function.arguments) for d in streamed] == [(call.name, call.arguments)]
+    calls, pieces, content, reason = streamed_calls(c.chat.completions.create(**chat(tools=tools, tool_choice=named),
+                                                                              stream=True))
+    assert calls == [(call.name, call.arguments)] and pieces > 1 and (content, reason) == (None, "stop")
     required = c.chat.completions.create(**chat(tools=tools, tool_choice="required", parallel_tool_calls=False))
     calls = required.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name in ("get_weather", "now")
@@ -277,6 +296,41 @@ def test_a_forced_tool_call_is_a_call_of_that_tool_with_valid_arguments(server):
         calls = c.chat.completions.create(**chat(tools=ping, tool_choice="required", temperature=1.0,
                                                  seed=seed)).choices[0].message.tool_calls
         assert calls and all((t.function.name, json.loads(t.function.arguments)) == ("ping", {}) for t in calls)
+
+
+def test_a_forced_call_cut_short_is_a_call_with_the_arguments_written(server):
+    """max_tokens ending a forced call anywhere: once it has its name, a call (as OpenAI's) whose
+    arguments are what the model wrote, finish_reason length; before, no call; never Qwen3's markup
+    in content. The stream's pieces add up to the whole reply, at every cut (all asked at once)."""
+    c = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+
+    async def streamed(fields):
+        return streamed_calls([chunk async for chunk in await c.chat.completions.create(**fields, stream=True)])
+
+    async def cuts(one, first):  # every other place: the two choices' cuts together take every one
+        whole = await c.chat.completions.create(**chat(**one))
+        fields = [chat(**one, max_tokens=n) for n in range(first, whole.usage.completion_tokens, 2)]
+        replies = await asyncio.gather(*(c.chat.completions.create(**f) for f in fields),
+                                       *(streamed(f) for f in fields))
+        return whole, replies[: len(fields)], replies[len(fields) :]
+
+    async def both():
+        return [await cuts(dict(tools=tools, tool_choice=choice, parallel_tool_calls=False), first)
+                for first, choice in enumerate(("required", {"type": "function", "function": {"name": "get_weather"}}),
+                                               start=1)]
+
+    for whole, cut, streams in asyncio.run(both()):
+        arguments = whole.choices[0].message.tool_calls[0].function.arguments
+        for reply, stream in zip(cut, streams):
+            reply = reply.choices[0]
+            assert (reply.finish_reason, reply.message.content) == ("length", None)
+            calls = [(t.function.name, t.function.arguments) for t in reply.message.tool_calls or []]
+            assert calls == [] or (len(calls) == 1 and calls[0][0] == "get_weather"
+                                   and arguments.startswith(calls[0][1])), calls
+            assert stream[::2] == (calls, None)
+        assert sum(bool(reply.choices[0].message.tool_calls) for reply in cut) > 5  # cut at many places
+
 
 
 BROKEN = {"type": "object", "properties": {"a": {"$ref": "#/x"}}}  # a reference to nothing
