@@ -29,6 +29,8 @@ def fp8_block_size(raw_config: dict, source: str = "config.json") -> tuple[int, 
     q = raw_config.get("quantization_config")
     if q is None:
         return None
+    if not isinstance(q, dict):
+        raise ValueError(f"{source}: quantization_config must be a JSON object, got {q!r}")
     method = q.get("quant_method")
     if method != "fp8":
         raise ValueError(f"{source}: quantization method {method!r} is not supported; Qwen's FP8 checkpoints "
@@ -37,7 +39,7 @@ def fp8_block_size(raw_config: dict, source: str = "config.json") -> tuple[int, 
         raise ValueError(f"{source}: FP8 with fmt {q.get('fmt')!r} and activation_scheme "
                          f"{q.get('activation_scheme')!r} is not supported; e4m3 with dynamic activations is")
     block = q.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
         raise ValueError(f"{source}: weight_block_size {block!r} is not supported; two positive integers "
                          "(Qwen's: [128, 128]) are")
     return block[0], block[1]

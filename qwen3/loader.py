@@ -334,6 +334,10 @@ def copy_plan(path: Path, config: Qwen3Config, shapes: dict[str, tuple], tp: Ten
                 elif (index := tp.checkpoint_index(key, config)) is not None:  # None: this rank holds none of it
                     to_copy.append((key, index, scale))
             plan.append((shard, to_copy))
+    for weight, (shard, _, _) in scales.items():
+        if weight not in shapes:
+            raise ValueError(f"unexpected tensor {weight.removesuffix('weight') + SCALE_KEY} in {shard}: the "
+                             "model config.json describes has no weight it could scale")
     missing = sorted(set(shapes) - seen)
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s): {', '.join(missing[:5])}"
@@ -407,6 +411,15 @@ def fp8_scale(key: str, shard: str, shape: tuple, block: tuple[int, int],
     return scale_shard, scale_key
 
 
+def finite_scale(f, scale: tuple[str, str]) -> torch.Tensor:
+    """The FP8 scale (shard, key) of open file f; ValueError naming it if a multiplier is inf or NaN
+    (every weight of its block would be: the model's output NaN)."""
+    tensor = f.get_tensor(scale[1])
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"{scale[1]} in {scale[0]} holds multipliers that are not finite numbers")
+    return tensor
+
+
 def copy_weights(path: Path, plan, params: dict[str, torch.Tensor], progress: bool,
                  block: tuple[int, int] | None = None) -> None:
     """Copy each planned tensor (or this rank's part of it) into its parameter, an FP8 one
@@ -419,10 +432,12 @@ def copy_weights(path: Path, plan, params: dict[str, torch.Tensor], progress: bo
                 for key, index, scale in keys:
                     if scale is not None:
                         with _open(path / scale[0]) as g:
-                            whole = dequantize(f.get_tensor(key), g.get_tensor(scale[1]), block, params[key].dtype)
+                            whole = dequantize(f.get_tensor(key), finite_scale(g, scale), block, params[key].dtype)
                         part = whole if index is None else whole[index]
                     else:
                         part = f.get_tensor(key) if index is None else f.get_slice(key)[index]
+                        if key.endswith(SCALE_KEY):
+                            finite_scale(f, (shard, key))
                     if part.shape != params[key].shape:  # a slicing rule of qwen3/parallel.py gone wrong
                         raise RuntimeError(f"{key}: read {tuple(part.shape)}, expected {tuple(params[key].shape)}")
                     params[key].copy_(part)

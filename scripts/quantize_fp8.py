@@ -8,6 +8,13 @@ gate/up/down) becomes float8_e4m3fn with a float32 `weight_scale_inv` per block
 (qwen3/fp8.py: amax / 448); embeddings, norms, the LM head and the MoE router are copied as they
 are. The shards keep their names (an index gets the scales' entries); config.json gets the
 quantization_config; the tokenizer's and generation files are copied.
+
+OUT must be a new (or empty) directory: the checkpoint is written beside it under a temporary
+name and renamed to OUT once whole, so a run that fails or is stopped leaves nothing behind and
+never touches the source. Blocks: this project loads any size; its fused FP8 kernels take sides
+that are powers of two >= 16 (other sizes load dequantized, at the bf16 model's memory), and
+transformers' FP8 loader reads the block size from the scales' grid, so it needs every weight's
+sides to be whole blocks (Qwen's models are, at 128).
 """
 
 import argparse
@@ -15,12 +22,14 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops.linear.fp8 import kernel_block  # noqa: E402
 from qwen3.fp8 import SCALE_KEY, quantize  # noqa: E402
 from qwen3.loader import checkpoint_files  # noqa: E402
 
@@ -31,7 +40,7 @@ INDEX = "model.safetensors.index.json"
 
 
 def quantize_checkpoint(source: Path, out: Path, block: tuple[int, int]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    """Write the FP8 checkpoint of source into the existing, empty directory out."""
     weight_map = {}
     for shard in checkpoint_files(source):
         tensors = {}
@@ -57,19 +66,62 @@ def quantize_checkpoint(source: Path, out: Path, block: tuple[int, int]) -> None
             shutil.copy(path, out / path.name)
 
 
+def read_config(checkpoint: Path) -> dict:
+    """The checkpoint's config.json; ValueError naming what is wrong."""
+    file = checkpoint / "config.json"
+    if not file.is_file():
+        raise ValueError(f"no config.json in {checkpoint}")
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, not {type(config).__name__}")
+    if "quantization_config" in config:
+        raise ValueError(f"{checkpoint} is already quantized (its config.json has a quantization_config)")
+    return config
+
+
+def check_out(checkpoint: Path, out: Path) -> None:
+    """ValueError unless out is a directory that may be written: not the checkpoint's, new or empty."""
+    if out.resolve() == checkpoint.resolve():
+        raise ValueError(f"OUT {out} is the checkpoint itself: write the FP8 checkpoint to a new directory")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ValueError(f"OUT {out} exists and is not an empty directory: pick a new one (or empty it)")
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="quantize_fp8.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path)
     p.add_argument("out", type=Path)
     p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("ROWS", "COLS"))
     args = p.parse_args(argv)
-    if not (args.checkpoint / "config.json").is_file():
-        sys.exit(f"quantize_fp8.py: error: no config.json in {args.checkpoint}")
-    if "quantization_config" in json.loads((args.checkpoint / "config.json").read_text()):
-        sys.exit(f"quantize_fp8.py: error: {args.checkpoint} is already quantized")
     if min(args.block) < 1:
-        sys.exit(f"quantize_fp8.py: error: --block must be two positive integers, got {args.block}")
-    quantize_checkpoint(args.checkpoint, args.out, tuple(args.block))
+        p.error(f"--block must be two positive integers, got {' '.join(map(str, args.block))}")
+    block = tuple(args.block)
+    try:
+        read_config(args.checkpoint)
+        check_out(args.checkpoint, args.out)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.partial-", dir=args.out.parent))
+    except (OSError, ValueError) as err:
+        sys.exit(f"quantize_fp8.py: error: {err}")
+    try:
+        quantize_checkpoint(args.checkpoint, partial, block)
+        if args.out.exists():
+            args.out.rmdir()  # empty, as checked
+        partial.rename(args.out)
+    except (OSError, ValueError, SafetensorError) as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        sys.exit(f"quantize_fp8.py: error: cannot quantize {args.checkpoint}: {' '.join(str(err).split())}")
+    except BaseException:  # Ctrl-C: nothing half-written left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if not kernel_block(block):
+        print(f"quantize_fp8.py: note: blocks of {block[0]} x {block[1]}: the fused FP8 kernels take sides that "
+              "are powers of two >= 16, so this checkpoint loads dequantized (the bf16 model's memory)",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ dimension of the test models, as Qwen's 128 divide the real ones' (transformers 
 from the scales' grid)."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -123,14 +124,68 @@ def test_what_cannot_be_loaded_is_one_clear_error(tmp_path):
     load_with(lambda c: c["quantization_config"].update(weight_block_size=[128]), "weight_block_size")
     load_with(lambda c: c.pop("quantization_config"), "has dtype F8_E4M3.*quantization_config")
     load_with(lambda c: c["quantization_config"].update(weight_block_size=[16, 32]), "weight_scale_inv .* has shape")
+    load_with(lambda c: c["quantization_config"].update(weight_block_size=[True, True]),
+              r"weight_block_size \[True, True\] is not supported")
+    load_with(lambda c: c.update(quantization_config="fp8"), "quantization_config must be a JSON object, got 'fp8'")
     (path / "config.json").write_text(json.dumps(config))
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"]
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight in model.safetensors has no"):
-        Qwen3ForCausalLM.from_pretrained(path, progress=False)
+    stored = load_file(path / "model.safetensors")
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    for change, message in [
+        (lambda t: t.pop(scale), "model.layers.0.self_attn.q_proj.weight in model.safetensors has no"),
+        (lambda t: t[scale].fill_(float("nan")), f"{scale} in model.safetensors holds multipliers that are not finite"),
+        (lambda t: t.update({"model.layers.0.foo.weight_scale_inv": t[scale].clone()}),
+         "unexpected tensor model.layers.0.foo.weight_scale_inv in model.safetensors"),
+    ]:
+        tensors = {key: tensor.clone() for key, tensor in stored.items()}
+        change(tensors)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message):
+            Qwen3ForCausalLM.from_pretrained(path, progress=False)
+        for kernels in ("fused", "reference"):  # also where the model holds the weights in FP8
+            with pytest.raises(ValueError, match=message):
+                Qwen3ForCausalLM.from_pretrained(path, progress=False, kernels=kernels, dtype=torch.bfloat16)
+
+
+def test_the_quantizer_refuses_what_would_lose_or_mix_checkpoints_in_one_line(tmp_path, capsys):
+    """quantize_fp8.py: OUT the source itself, or a directory with files in it, is refused before
+    anything is written (the source untouched, OUT as it was); a source it cannot read is one line
+    naming the problem, leaving no OUT; a bad --block is a flag error (status 2)."""
+    source = save(hf_model(seed=2), tmp_path / "source")
+    before = {f.name: f.read_bytes() for f in source.iterdir()}
+
+    def refused(args, message, status=1):
+        """The run ends with `status` and its last line on stderr (the one line, but for argparse's
+        usage line before a flag error) matches message."""
+        with pytest.raises(SystemExit) as exit:
+            quantize_fp8.main([str(a) for a in args])
+        code = exit.value.code  # sys.exit(line): status 1, the line printed by the interpreter
+        line = code if isinstance(code, str) else capsys.readouterr().err.splitlines()[-1]
+        assert (1 if isinstance(code, str) else code) == status and "\n" not in line
+        assert re.search(message, line), line
+
+    refused([source, source], "OUT .*source is the checkpoint itself")
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "model.safetensors.index.json").write_text("{}")
+    refused([source, stale], "OUT .*stale exists and is not an empty directory")
+    assert [f.name for f in stale.iterdir()] == ["model.safetensors.index.json"]
+    refused([source, tmp_path / "o", "--block", "0", "128"], "--block must be two positive integers", status=2)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    refused([broken, tmp_path / "o"], r"cannot quantize .*broken: ")
+    (broken / "config.json").write_text("[1]")
+    refused([broken, tmp_path / "o"], r"config.json must hold a JSON object, not list")
+    assert {f.name: f.read_bytes() for f in source.iterdir()} == before
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["broken", "source", "stale"]  # no OUT, nothing partial
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    quantize_fp8.main([str(source), str(empty), "--block", "100", "60"])  # an empty OUT is taken
+    assert "the fused FP8 kernels take sides that are powers of two" in capsys.readouterr().err
+    assert json.loads((empty / "config.json").read_text())["quantization_config"]["weight_block_size"] == [100, 60]
 
 
 def fp8_params(model) -> dict[str, torch.Tensor]:
