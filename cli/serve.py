@@ -36,6 +36,7 @@ from . import model_flags, output
 from .model_flags import add_model_flags
 from .output import bad_flag, fail
 
+BACKLOG = 2048  # connections the kernel queues before uvicorn accepts them: uvicorn's own default
 SHUTDOWN_TIMEOUT_S = 30.0  # systemd's and Kubernetes' own waits before a SIGKILL are 90 and 30 s
 
 
@@ -242,6 +243,10 @@ def serve(args: argparse.Namespace) -> None:
         limits = engine.limits
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         url = f"http://[{args.host}]:{port}" if ":" in args.host else f"http://{args.host}:{port}"
+        # Listening before the line that says so: a client that connects as soon as it reads it
+        # waits in the kernel's queue for uvicorn to start, not refused (a refusal before the
+        # engine was ready would tell a supervisor's check the truth: not up yet).
+        sock.listen(BACKLOG)
         print(f"serving {name} at {url} on {device} {str(dtype).removeprefix('torch.')}: {limits.n_blocks} KV "
               f"blocks of {limits.block_size} tokens, batch <= {engine.max_batch}, queue <= {engine.max_waiting}",
               file=sys.stderr, flush=True)

@@ -72,7 +72,7 @@ class Served:
 def start_server(model_dir: Path, log: Path, *flags: str, command: tuple[str, ...] = (sys.executable, str(SERVE_PY)),
                  cwd: Path = ROOT) -> Served:
     """serve.py (or `command`, run in cwd) on 127.0.0.1, a port of the system's choice, the CPU; back
-    once /health answers 200."""
+    once its "serving ... at" line is out and /health answers it 200 (the line's promise)."""
     cmd = [*command, "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--device", "cpu", *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=cwd)
@@ -83,12 +83,16 @@ def start_server(model_dir: Path, log: Path, *flags: str, command: tuple[str, ..
             raise RuntimeError(f"serve.py exited with {proc.returncode}:\n{log.read_text()}")
         if url is None:
             url = next((m.group(1) for line in log.read_text().splitlines() if (m := SERVING.match(line))), None)
-        if url is not None:
+        if url is not None:  # its line says it is ready: the first request is answered, not refused
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return Served(proc, url, log)
-            except httpx.HTTPError:
-                pass
+                status = httpx.get(f"{url}/health", timeout=SERVER_START_S).status_code
+            except httpx.ConnectError as err:
+                proc.kill()
+                raise RuntimeError(f"serve.py refused a connection after its 'serving at' line: {err}") from None
+            if status != 200:
+                proc.kill()
+                raise RuntimeError(f"serve.py's /health answered {status} after its 'serving at' line")
+            return Served(proc, url, log)
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"serve.py did not answer within {SERVER_START_S} s:\n{log.read_text()}")
