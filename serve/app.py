@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from .engine_process import EngineDead, EngineProcess
 from .interpreter import frozen_heap, short_switch_interval
 from .metrics import CONTENT_TYPE_LATEST
-from .prompts import chat_prompt, completion_prompt, off_the_loop_if_long, reasoning_block, reply_parser
+from .prompts import chat_prompt, completion_prompts, off_the_loop_if_long, reasoning_block, reply_parser
 from .protocol import ChatRequest, CompletionRequest, OpenAIError, parse
 from .server import Server, engine_dead
 
@@ -134,11 +134,11 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
         body = await request.body()
         req = parse(CompletionRequest, body)
         server.check_model(req.model)
-        ids = await off_the_loop_if_long(body, completion_prompt, tokenizer, req)
+        prompts = await off_the_loop_if_long(body, completion_prompts, tokenizer, req)
         grammar = await server.grammar_of(req, "none", False)
-        engine_request = server.engine_request(req, ids, req.max_tokens, default_max_tokens=16,
-                                               logprobs=req.logprobs, grammar=grammar)
-        return await server.run(request, engine_request, req)
+        requests = [server.engine_request(req, ids, req.max_tokens, default_max_tokens=16, logprobs=req.logprobs,
+                                          grammar=grammar) for ids in prompts]
+        return await server.run(request, requests, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -161,4 +161,4 @@ def add_generation_routes(app: FastAPI, server: Server, engine: EngineProcess, t
         engine_request = server.engine_request(req, ids, max_tokens, default_max_tokens=max(room, 1),
                                                logprobs=logprobs, grammar=grammar, fields=("messages", limit))
         replies = [reply_parser(server.reasoning, block, req) for _ in range(req.n)]
-        return await server.run(request, engine_request, req, replies)
+        return await server.run(request, [engine_request], req, replies)

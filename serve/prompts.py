@@ -34,16 +34,12 @@ async def off_the_loop_if_long(body: bytes, function: Callable, *args):
     return function(*args)
 
 
-def completion_prompt(tokenizer, req: CompletionRequest) -> list[int]:
-    """A completion's prompt as token ids: its text through the tokenizer, or its ids."""
+def completion_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:
+    """A completion's prompts as token ids, each: a text through the tokenizer, or ids; a list of
+    texts or of id lists is a batch of prompts, as OpenAI's API takes it."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise OpenAIError(400, f"One prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return list(prompt)
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p) for p in batch]
 
 
 def chat_prompt(tokenizer, model_name: str, req: ChatRequest) -> list[int]:

@@ -220,35 +220,40 @@ class Server:
         return OpenAIError(500, "The engine failed while generating this request (the server's log says why)",
                            type_="server_error")
 
-    async def run(self, http: Request, request: EngineRequest, fields: SamplingFields,
+    async def run(self, http: Request, requests: list[EngineRequest], fields: SamplingFields,
                   replies: list[ReplyParser] | None = None):
-        """The response to a request of `fields.n` choices, each a sequence of its own (with a seed,
-        choice i's is seed + i) that finds the prompt's blocks the first one prefilled. replies: a
-        chat request's parser per choice (None: a completion)."""
+        """The response to a request of a prompt each in `requests` (a completion may have several,
+        a chat one) and `fields.n` choices a prompt: choice p * n + i is prompt p's i-th, a sequence
+        of its own (with a seed, seed + i, as the prompt alone would have it) that finds the prompt's
+        blocks the first one prefilled. replies: a chat request's parser per choice (None: a completion)."""
         chat = replies is not None
+        n = fields.n
         if fields.stream_options is not None and not fields.stream:  # as OpenAI refuses it
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         room = self.engine.max_batch + self.engine.max_waiting
-        if fields.n > room:  # never all taken at once: a 429 would say "later" forever
-            raise OpenAIError(400, f"n is {fields.n}, but this server holds {room} requests at once "
+        if n * len(requests) > room:  # never all taken at once: a 429 would say "later" forever
+            asked = f"n is {n}" if len(requests) == 1 else f"{len(requests)} prompts of n = {n} choices each"
+            raise OpenAIError(400, f"{asked}, but this server holds {room} requests at once "
                               f"(--max-batch {self.engine.max_batch} + --max-waiting {self.engine.max_waiting})",
-                              param="n")
-        prompt_ids = request.prompt_ids if fields.return_token_ids else None
+                              param="n" if len(requests) == 1 else "prompt")
         choices: list[Choice] = []
         try:
-            for i in range(fields.n):
-                seed = None if request.seed is None else (request.seed + i) % 2**63
-                outputs = Outputs(self.outbox, each=fields.stream)
-                seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
-                writer = LogprobsWriter(self.token_names, chat) if request.logprobs is not None else None
-                choices.append(Choice(i, outputs, seq_id, replies[i] if chat else None, prompt_ids, writer))
+            for p, request in enumerate(requests):
+                prompt_ids = request.prompt_ids if fields.return_token_ids else None
+                for i in range(n):
+                    seed = None if request.seed is None else (request.seed + i) % 2**63
+                    outputs = Outputs(self.outbox, each=fields.stream)
+                    seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
+                    writer = LogprobsWriter(self.token_names, chat) if request.logprobs is not None else None
+                    choices.append(Choice(p * n + i, outputs, seq_id, replies[i] if chat else None, prompt_ids,
+                                          writer))
         except OpenAIError:  # past the queue bound midway: the choices taken are let go
             self.close_all(choices)
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if fields.stream:
             include_usage = bool(fields.stream_options and fields.stream_options.include_usage)
-            return EventStream(self.sse(choices, rid, include_usage, chat), on_close=lambda: self.close_all(choices))
+            return EventStream(self.sse(choices, rid, include_usage, chat, n), on_close=lambda: self.close_all(choices))
         watcher = asyncio.ensure_future(self.cancel_on_disconnect(http, choices))
         try:  # each choice's last output, with every one before it: a single wake-up each
             outs = await asyncio.gather(*(c.outputs.take() for c in choices))
@@ -262,7 +267,8 @@ class Server:
             return JSONResponse({}, status_code=499)
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": self.model_name,
-                             "choices": [c.whole(out) for c, out in zip(choices, outs)], "usage": self.usage(outs)})
+                             "choices": [c.whole(out) for c, out in zip(choices, outs)],
+                             "usage": self.usage(outs, n)})
 
     def close_all(self, choices: list[Choice]) -> None:
         for choice in choices:
@@ -277,12 +283,12 @@ class Server:
             self.engine.cancel(choice.seq_id)
 
     @staticmethod
-    def usage(outs: list[Output]) -> dict:
-        """The prompt once, the tokens of every choice."""
-        prompt, completion = outs[0].prompt_tokens, sum(out.completion_tokens for out in outs)
+    def usage(outs: list[Output], n: int) -> dict:
+        """Each prompt once (outs: every choice's, in order, n a prompt), the tokens of every choice."""
+        prompt, completion = sum(out.prompt_tokens for out in outs[::n]), sum(out.completion_tokens for out in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def sse(self, choices: list[Choice], rid: str, include_usage: bool, chat: bool):
+    async def sse(self, choices: list[Choice], rid: str, include_usage: bool, chat: bool, n: int):
         """Server-sent events in OpenAI's chunk format, each chunk one choice's news (its index; none
         while a choice has nothing to tell, its text held back: Choice.delta), ending
         with `data: [DONE]`; a request the server ends (a shutdown, the engine's death) ends with an
@@ -308,7 +314,7 @@ class Server:
         if chat:
             for c in choices:
                 yield chunk(c.role())
-        last: list[Output] = []
+        last: dict[int, Output] = {}  # each choice's last output, by its index
         async with aclosing(arrivals(choices)) as news:
             async for c, out in news:
                 if (error := self.failure(c.outputs, out)) is not None:
@@ -322,7 +328,8 @@ class Server:
                 if (piece := c.delta(out)) is not None:
                     yield chunk(piece)
                 if out.finish_reason is not None:
-                    last.append(out)
+                    last[c.index] = out
         if include_usage:
-            yield f"data: {json.dumps(fields | {'choices': [], 'usage': self.usage(last)})}\n\n"
+            usage = self.usage([last[i] for i in sorted(last)], n)
+            yield f"data: {json.dumps(fields | {'choices': [], 'usage': usage})}\n\n"
         yield "data: [DONE]\n\n"

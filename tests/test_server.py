@@ -267,6 +267,34 @@ def test_n_choices_are_each_a_sequence_sharing_one_prefill(server, reference):
         assert r.status_code == 400 and error_of(r)["param"] == "n", r.text
 
 
+def test_a_batch_of_prompts_gives_each_its_choices_as_alone(server, reference):
+    """A completion's prompt as a list of texts or of token-id lists (OpenAI's batch): prompt p's
+    choice i at index p * n + i, each what its prompt alone gives (a seed: seed + i, as alone),
+    whole and streamed; usage counts each prompt once; one bad prompt is a 400 naming prompt."""
+    c = client(server)
+    texts = ["def read_config(path):", "class Stack:", "import os\n"]
+    sampled = dict(model=NAME, max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    alone = [c.completions.create(prompt=text, n=2, **sampled) for text in texts]
+    batch = c.completions.create(prompt=texts, n=2, **sampled)
+    assert [ch.index for ch in batch.choices] == list(range(6))
+    assert [ch.text for ch in batch.choices] == [ch.text for one in alone for ch in one.choices]
+    assert batch.usage.prompt_tokens == sum(one.usage.prompt_tokens for one in alone)
+    assert batch.usage.completion_tokens == sum(one.usage.completion_tokens for one in alone)
+    as_ids = c.completions.create(prompt=[reference.ids(text) for text in texts[:2]], **sampled)
+    assert [ch.text for ch in as_ids.choices] == [one.choices[0].text for one in alone[:2]]
+    pieces, usage = [""] * 6, None
+    for chunk in c.completions.create(prompt=texts, n=2, stream=True, stream_options={"include_usage": True},
+                                      **sampled):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.text
+        usage = chunk.usage or usage
+    assert pieces == [ch.text for ch in batch.choices] and usage == batch.usage
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["x", ""]}, timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt" and "empty" in error_of(r)["message"], r.text
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": ["x"] * (MAX_BATCH + MAX_WAITING), "n": 2}, timeout=30)
+    assert r.status_code == 400 and error_of(r)["param"] == "prompt", r.text
+
+
 def test_the_prefix_cache_can_be_turned_off():
     assert load_serve_py().parse_args(["--no-prefix-cache"]).prefix_cache is False
     assert load_serve_py().parse_args([]).prefix_cache is True
@@ -372,7 +400,6 @@ def test_bad_requests_get_openai_errors_naming_the_field(server):
         ({"prompt": [99999]}, "prompt", "prompt token ids must be"),
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 2}, "top_p", "top_p must be in (0, 1]"),
-        ({"prompt": ["a", "b"]}, "prompt", "One prompt per request, got 2"),
         ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
         ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
         ({"prompt": [5] * 1024, "max_tokens": 1}, "prompt", "maximum context length is 1024"),  # the prompt alone
