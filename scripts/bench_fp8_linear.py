@@ -11,6 +11,10 @@ weights, so that none is read from L2 and no launch gap counts), GB/s of weight 
 fraction of the measured copy bandwidth, and the FP8 result's relative error against F.linear of
 the dequantized weight in fp32 (the w8a8 path's includes the activations' rounding). At one row
 also `w8a8`: the skinny GEMM with FP8 activations, as 2-64 rows run (a candidate for one row).
+At every number of rows also `cublas`: torch's public F.scaled_mm with the checkpoint's scales as
+they are (activations in blocks of 1 x 128, quantized by our kernel, weights 128 x 128: cuBLAS's
+DeepSeek-style block-scaled FP8 GEMM, CUDA 12.9+ on Hopper), a candidate for 2-64 rows and the
+prefill; a line saying why where this torch or GPU cannot run it.
 """
 
 import argparse
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from bench_generate import copy_bandwidth_GBps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ops.linear.fp8 import quantize_groups  # noqa: E402
 from ops.linear.skinny_gemm import skinny_linear  # noqa: E402
 from qwen3.fp8 import dequantize, quantize  # noqa: E402
 from qwen3.layers import linear  # noqa: E402
@@ -50,6 +55,15 @@ def graph_us(fn) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / COPIES)
     return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 times FP8 weight [N, K] (scales [N / 128, K / 128]) through cuBLAS's block-scaled
+    GEMM: x quantized in groups of 128 columns, the product of the blocks accumulated in fp32."""
+    q, q_scale = quantize_groups(x, BLOCK[1])
+    # cuBLAS takes the activations' scales outer-dimension major: [M, K / 128] with stride (1, M)
+    return F.scaled_mm(q, weight.t(), q_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                       scale.t(), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
 
 def layer_of(weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.nn.Linear:
@@ -86,6 +100,14 @@ def main() -> None:
                         ("fp8", lambda i: linear(fp8[i], x, True), N * K, error)]
             if rows == 1:
                 variants.append(("w8a8", w8a8, N * K, ((w8a8(0).float() - exact).norm() / exact.norm()).item()))
+
+            def cublas(i):
+                return block_scaled_mm(x, fp8[i].weight, fp8[i].weight_scale_inv)
+
+            try:
+                variants.append(("cublas", cublas, N * K, ((cublas(0).float() - exact).norm() / exact.norm()).item()))
+            except (RuntimeError, AttributeError, TypeError) as err:  # an older torch, cuBLAS or GPU
+                print(f"{name:8} {N:5}x{K:<5} rows {rows:4} cublas: cannot run: {' '.join(str(err).split())[:200]}")
             for label, fn, nbytes, err in variants:
                 us = graph_us(fn)
                 gbps = nbytes / us / 1e3
