@@ -46,6 +46,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import inf
 
 import torch
 
@@ -104,6 +105,8 @@ class Engine:
             prefill_tokens = PREFILL_TOKENS if self.device.type == "cuda" else PREFILL_TOKENS_CPU
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        if attention_cost is not None and not (isinstance(attention_cost, (int, float)) and 0 <= attention_cost < inf):
+            raise ValueError(f"attention_cost must be a finite number >= 0, got {attention_cost!r}")
         self.max_len = config.max_position_embeddings
         table_width = -(-self.max_len // block_size)  # blocks a sequence can own
         if n_blocks is None:

@@ -111,6 +111,9 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(model, prefill_tokens=0)
+    for wrong in (float("nan"), -1.0, float("inf"), "1"):
+        with pytest.raises(ValueError, match="attention_cost must be a finite number >= 0"):
+            Engine(model, attention_cost=wrong)
 
 
 def test_the_default_prefill_budget_is_the_devices(model):
