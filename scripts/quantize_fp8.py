@@ -9,20 +9,24 @@ gate/up/down) becomes float8_e4m3fn with a float32 `weight_scale_inv` per block
 are. The shards keep their names (an index gets the scales' entries); config.json gets the
 quantization_config; the tokenizer's and generation files are copied.
 
-OUT must be a new (or empty) directory: the checkpoint is written beside it under a temporary
-name and renamed to OUT once whole, so a run that fails or is stopped leaves nothing behind and
-never touches the source. Blocks: this project loads any size; its fused FP8 kernels take sides
-that are powers of two >= 16 (other sizes load dequantized, at the bf16 model's memory), and
-transformers' FP8 loader reads the block size from the scales' grid, so it needs every weight's
-sides to be whole blocks (Qwen's models are, at 128).
+OUT must be a new (or empty) directory: the checkpoint is written inside it under a hidden
+name and moved up once whole; a run that fails or is stopped (Ctrl-C, SIGTERM) removes what it
+wrote and the directories it made, and never touches the source. Blocks: this project loads
+any size; its fused FP8 kernels take sides that are powers of two >= 16 (other sizes load
+dequantized, at the bf16 model's memory), and transformers' FP8 loader reads the block size
+from the scales' grid, so it needs every weight's sides to be whole blocks (Qwen's models are,
+at 128).
 """
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -90,6 +94,32 @@ def check_out(checkpoint: Path, out: Path) -> None:
         raise ValueError(f"OUT {out} exists and is not an empty directory: pick a new one (or empty it)")
 
 
+def made_dirs(out: Path) -> list[Path]:
+    """Create out and the parents it lacks; the directories created, deepest first."""
+    made, path = [], out
+    while not path.exists():
+        made.append(path)
+        path = path.parent
+    out.mkdir(parents=True)
+    return made
+
+
+def publish(partial: Path, out: Path) -> None:
+    """Move the finished checkpoint's files from partial up into out, readable as the umask lets
+    files be (safetensors writes its files for their owner alone)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in sorted(partial.iterdir()):
+        path.chmod(0o666 & ~umask)
+        path.replace(out / path.name)
+    partial.rmdir()
+
+
+def terminated(sig: int, frame) -> None:
+    """SIGTERM (kill, a supervisor) as Ctrl-C is: the run stops, cleaning up what it wrote."""
+    raise SystemExit(f"quantize_fp8.py: {signal.Signals(sig).name}: stopped")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="quantize_fp8.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,21 +133,29 @@ def main(argv=None) -> None:
     try:
         read_config(args.checkpoint)
         check_out(args.checkpoint, args.out)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.partial-", dir=args.out.parent))
+        made = made_dirs(args.out) if not args.out.exists() else []
     except (OSError, ValueError) as err:
         sys.exit(f"quantize_fp8.py: error: {err}")
+    # Written inside OUT under a hidden name (OUT may be a mount point or a link: never replaced),
+    # moved up once whole; on any failure or stop, what was written and made goes.
+    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() \
+        else None
+    partial = None
     try:
+        partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=args.out))
         quantize_checkpoint(args.checkpoint, partial, block)
-        if args.out.exists():
-            args.out.rmdir()  # empty, as checked
-        partial.rename(args.out)
-    except (OSError, ValueError, SafetensorError) as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        sys.exit(f"quantize_fp8.py: error: cannot quantize {args.checkpoint}: {' '.join(str(err).split())}")
-    except BaseException:  # Ctrl-C: nothing half-written left behind
-        shutil.rmtree(partial, ignore_errors=True)
+        publish(partial, args.out)
+    except BaseException as err:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        for path in made:
+            path.rmdir()
+        if isinstance(err, (OSError, ValueError, SafetensorError)):
+            sys.exit(f"quantize_fp8.py: error: cannot quantize {args.checkpoint}: {' '.join(str(err).split())}")
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if not kernel_block(block):
         print(f"quantize_fp8.py: note: blocks of {block[0]} x {block[1]}: the fused FP8 kernels take sides that "
               "are powers of two >= 16, so this checkpoint loads dequantized (the bf16 model's memory)",

@@ -12,10 +12,10 @@ from .request import Output
 from .streams import Outputs
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """A reply that called tools and stopped by itself finishes with "tool_calls", as OpenAI's do
-    (but for a call of the function tool_choice named: "stop", as OpenAI's, and vLLM's, do)."""
-    return "tool_calls" if reason == "stop" and called else reason
+def finish_reason(reason: str | None, reply: ReplyParser | None) -> str | None:
+    """A chat reply that stopped by itself finishing with calls (ReplyParser.finishes_with_calls)
+    finishes with "tool_calls", as OpenAI's do."""
+    return "tool_calls" if reason == "stop" and reply is not None and reply.finishes_with_calls() else reason
 
 
 @dataclass
@@ -26,7 +26,6 @@ class Choice:
     reply: ReplyParser | None  # a chat reply's parser; None: a completion
     prompt_ids: list[int] | None  # return_token_ids: the prompt's ids, in the first chunk or the choice
     logprobs: LogprobsWriter | None = None  # the request asked for log-probabilities
-    called: bool = False  # a tool call was sent (not of a function that tool_choice named)
     first: bool = True  # no chunk sent yet
 
     def write_logprobs(self, out: Output) -> RawJSON | dict | None:
@@ -47,7 +46,7 @@ class Choice:
             if delta.calls:
                 message["tool_calls"] = [call.as_dict() for call in delta.calls]
             choice = {"index": self.index, "message": message, "logprobs": self.write_logprobs(out),
-                      "finish_reason": finish_reason(out.finish_reason, bool(delta.calls) and not self.reply.named)}
+                      "finish_reason": finish_reason(out.finish_reason, self.reply)}
         else:
             choice = {"index": self.index, "text": out.text, "logprobs": self.write_logprobs(out),
                       "finish_reason": out.finish_reason}
@@ -81,11 +80,10 @@ class Choice:
             delta["reasoning_content"] = parsed.reasoning
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
-            self.called = not self.reply.named
         if not (delta or news):
             return None
         return self.ids({"index": self.index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": finish_reason(out.finish_reason, self.called)}, out.token_ids)
+                         "finish_reason": finish_reason(out.finish_reason, self.reply)}, out.token_ids)
 
     def ids(self, choice: dict, tokens) -> dict:
         if self.prompt_ids is not None:

@@ -18,7 +18,6 @@ call is Qwen3's (hermes) format, as its chat template asks for it and serve/repl
 tool's parameters schema.
 """
 
-
 from runtime.grammar import structural_tag
 from runtime.reasoning import CLOSE, OPEN
 

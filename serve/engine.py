@@ -57,6 +57,7 @@ from runtime.grammar import Grammars
 from runtime.graphs import resolve_cuda_graph
 from runtime.logprobs import Logprobs, TokenLogprobs, keep, token_logprobs
 from runtime.sampler import Sampler, random_seed
+from runtime.sampling import plain
 from runtime.staging import to_device
 from runtime.text import TextStream
 
@@ -105,7 +106,8 @@ class Engine:
             prefill_tokens = PREFILL_TOKENS if self.device.type == "cuda" else PREFILL_TOKENS_CPU
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        if attention_cost is not None and not (isinstance(attention_cost, (int, float)) and 0 <= attention_cost < inf):
+        if attention_cost is not None and not (isinstance(plain(attention_cost), float | int)
+                                               and not isinstance(attention_cost, bool) and 0 <= attention_cost < inf):
             raise ValueError(f"attention_cost must be a finite number >= 0, got {attention_cost!r}")
         self.max_len = config.max_position_embeddings
         table_width = -(-self.max_len // block_size)  # blocks a sequence can own

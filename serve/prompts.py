@@ -189,9 +189,10 @@ def reply_parser(split_reasoning: bool, block: str, req: ChatRequest) -> ReplyPa
     choice = tool_choice(req)
     if not req.tools or choice == "none":
         return ReplyParser(splitter, None)
-    forced = calls_constrained(tool_specs(req.tools), choice, req.parallel_tool_calls is not False)
-    return ReplyParser(splitter, {t.function.name for t in req.tools}, forced,
-                       named=isinstance(req.tool_choice, NamedToolChoice))
+    forced = None
+    if calls_constrained(tool_specs(req.tools), choice, req.parallel_tool_calls is not False):
+        forced = "named" if isinstance(req.tool_choice, NamedToolChoice) else choice
+    return ReplyParser(splitter, {t.function.name for t in req.tools}, forced)
 
 
 def checked(spec: str, where: str, schema) -> None:
@@ -204,15 +205,17 @@ def checked(spec: str, where: str, schema) -> None:
         raise OpenAIError(400, f"'{where}' is not a JSON schema this server can follow: {problem}", param=where)
 
 
-def json_object(arguments: str, where: str) -> dict:
+def json_object(arguments: str, where: str) -> dict | str:
     """A history's tool call arguments as the object the chat template writes, or a 400 naming it;
-    none at all ("", as some clients send a call without arguments) is the empty object."""
+    none at all ("", as some clients send a call without arguments) is the empty object; text that
+    is not JSON (a call cut short, as this server returns one) goes to the template as it is
+    (Qwen3's writes a string as it is)."""
     if not arguments.strip():
         return {}
     try:
         value = json.loads(arguments)
     except ValueError:
-        value = None
+        return arguments
     if not isinstance(value, dict):
         raise OpenAIError(400, f"'{where}.function.arguments' must be a JSON object, got {arguments[:80]!r}",
                           param=f"{where}.function.arguments")

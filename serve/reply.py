@@ -64,25 +64,26 @@ class Delta:
 
 
 class ReplyParser:
-    def __init__(self, splitter: ReasoningSplitter | None, tools: set[str] | None, forced: bool = False,
-                 named: bool = False):
+    def __init__(self, splitter: ReasoningSplitter | None, tools: set[str] | None, forced: str | None = None):
         """splitter: None when the reply has no reasoning to take apart; tools: the names of the
-        tools whose calls are parsed (None: none are); forced: the grammar writes the calls; named:
-        tool_choice named the function (such a reply finishes with "stop", as OpenAI's do)."""
-        self.splitter, self.tools, self.named = splitter, tools, named
+        tools whose calls are parsed (None: none are); forced: the tool_choice whose grammar writes
+        the calls ("auto": strict tools, or one call at most; "required"; "named": the function
+        tool_choice names), None where calls are parsed whole."""
+        self.splitter, self.tools, self.forced = splitter, tools, forced
         self.begins = {call_begin(name): name for name in tools or ()} if forced else {}
         self.open_call: int | None = None  # the index of the forced call whose arguments are arriving
         self.arguments = ""  # that call's arguments so far
+        self.cut = False  # the reply ended inside a call's arguments
         self.held = ""  # answer text that may be part of a tool call
         self.space = ""  # whitespace at the end of the content so far: content only if text follows
         self.n_calls = 0
         self.after_call = False  # the last thing seen was a call: whitespace after it is not content
         self.said = False  # some content has been given
 
-    @property
-    def forced(self) -> bool:
-        """The grammar writes the reply's calls."""
-        return bool(self.begins)
+    def finishes_with_calls(self) -> bool:
+        """Whether the reply, stopped by itself, finishes with "tool_calls", as OpenAI's do: it made
+        whole calls, not of a function tool_choice named (OpenAI's finish such a reply with "stop")."""
+        return self.n_calls > 0 and not self.cut and self.forced != "named"
 
     def feed(self, text: str, final: bool = False) -> Delta:
         parts = [(Part.ANSWER, text)] if self.splitter is None else self.splitter.feed(text)
@@ -128,8 +129,9 @@ class ReplyParser:
         if final and self.open_call is not None:  # cut inside a forced call: it keeps what it has
             if not (CALL_END.startswith(self.held) and complete_json(self.arguments)):  # else only its end was cut
                 self.add_arguments(delta, self.held)
+                self.cut = True
             self.held, self.open_call = "", None
-        if final and any(begin.startswith(self.held) for begin in self.begins):
+        if final and self.cut_call_begun():
             self.held = ""  # a forced call cut before its name: the format's text, not the answer's
         if final:
             self.text(delta, self.held)
@@ -167,6 +169,14 @@ class ReplyParser:
             return None
         self.n_calls += 1
         return new_call(self.n_calls - 1, value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def cut_call_begun(self) -> bool:
+        """Whether the text held at the reply's end is a forced call's beginning: a written
+        <tool_call> (the grammar holds to the call from there), or, where the reply is calls only,
+        any part of one."""
+        if not any(begin.startswith(self.held) for begin in self.begins):
+            return False
+        return self.held.startswith(TOOL_OPEN) or self.forced in ("required", "named")
 
     def begun_call(self, text: str) -> str | None:
         """The tool whose forced call `text` (from <tool_call> on) begins; "" while text may still

@@ -245,7 +245,7 @@ class Server:
                     outputs = Outputs(self.outbox, each=fields.stream)
                     seq_id = self.submit(dataclasses.replace(request, seed=seed), outputs)
                     writer = LogprobsWriter(self.token_names, chat) if request.logprobs is not None else None
-                    choices.append(Choice(p * n + i, outputs, seq_id, replies[i] if chat else None, prompt_ids,
+                    choices.append(Choice(p * n + i, outputs, seq_id, replies[p * n + i] if chat else None, prompt_ids,
                                           writer))
         except OpenAIError:  # past the queue bound midway: the choices taken are let go
             self.close_all(choices)

@@ -5,6 +5,7 @@ beside it); the cache and the forward through it are test_cache.py's."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoints import hf_model, prompts, save
@@ -111,7 +112,8 @@ def test_prompts_prefilled_together_generate_what_they_would_alone(model, prefil
     assert [tokens(out) for out in outputs] == expected and outputs[1][-1].finish_reason == "length"
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(model, prefill_tokens=0)
-    for wrong in (float("nan"), -1.0, float("inf"), "1"):
+    Engine(model, attention_cost=np.float32(0.5))  # a numpy number is a number
+    for wrong in (float("nan"), -1.0, float("inf"), "1", True):
         with pytest.raises(ValueError, match="attention_cost must be a finite number >= 0"):
             Engine(model, attention_cost=wrong)
 

@@ -9,7 +9,10 @@ dimension of the test models, as Qwen's 128 divide the real ones' (transformers 
 from the scales' grid)."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -18,7 +21,7 @@ import torch
 import transformers
 from checkpoints import hf_model, prompts, save, save_tokenizer
 from conftest import DEVICE, requires_cuda
-from in_process import load_script
+from in_process import ROOT, load_script
 from test_moe import hf_moe_model
 from tolerances import LOGITS_FP32_ATOL, LOGITS_FP32_RTOL
 
@@ -177,6 +180,7 @@ def test_the_quantizer_refuses_what_would_lose_or_mix_checkpoints_in_one_line(tm
     (broken / "config.json").write_text((source / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     refused([broken, tmp_path / "o"], r"cannot quantize .*broken: ")
+    refused([broken, tmp_path / "a" / "b"], r"cannot quantize .*broken: ")  # the parents it made go too
     (broken / "config.json").write_text("[1]")
     refused([broken, tmp_path / "o"], r"config.json must hold a JSON object, not list")
     assert {f.name: f.read_bytes() for f in source.iterdir()} == before
@@ -186,6 +190,38 @@ def test_the_quantizer_refuses_what_would_lose_or_mix_checkpoints_in_one_line(tm
     quantize_fp8.main([str(source), str(empty), "--block", "100", "60"])  # an empty OUT is taken
     assert "the fused FP8 kernels take sides that are powers of two" in capsys.readouterr().err
     assert json.loads((empty / "config.json").read_text())["quantization_config"]["weight_block_size"] == [100, 60]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.name: f.stat().st_mode & 0o777 for f in empty.iterdir()} == {  # readable as any file the user writes
+        f.name: 0o666 & ~umask for f in source.iterdir()}
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    quantize_fp8.main([str(source), str(link)])  # a link to an empty directory (or a mount point): written into
+    assert link.is_symlink() and (tmp_path / "elsewhere" / "config.json").is_file()
+
+
+def test_a_quantizer_run_stopped_midway_leaves_nothing_behind(tmp_path):
+    """SIGTERM (a supervisor's stop) while the weights are being written: the run exits non-zero in
+    one line and removes what it wrote, OUT and the parents it made included; the source is as it was."""
+    source = save(hf_model(seed=2), tmp_path / "source")
+    before = {f.name: f.read_bytes() for f in source.iterdir()}
+    stop_at_the_first_weight = (  # the script run as a user runs it, a SIGTERM arriving mid-run
+        "import os, runpy, signal, sys, qwen3.fp8 as fp8\n"
+        "real = fp8.quantize\n"
+        "def quantize(*args):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*args)\n"
+        "fp8.quantize = quantize\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    out = tmp_path / "new" / "deeper" / "fp8"
+    run = subprocess.run([sys.executable, "-c", stop_at_the_first_weight, str(ROOT / "scripts" / "quantize_fp8.py"),
+                          str(source), str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode != 0 and run.stderr.splitlines() == ["quantize_fp8.py: SIGTERM: stopped"], run.stderr
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["source"]
+    assert {f.name: f.read_bytes() for f in source.iterdir()} == before
 
 
 def fp8_params(model) -> dict[str, torch.Tensor]:

@@ -268,6 +268,12 @@ def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(
                                      extra_body={"return_token_ids": True})  # as some clients send a call of none
     prompt = load_tokenizer(SHIPPED).decode(done.choices[0].prompt_token_ids)
     assert '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>' in prompt
+    cut = [{"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    done = c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=4, temperature=0,
+                                     messages=[history[0], {**history[1], "tool_calls": cut}, history[2]],
+                                     extra_body={"return_token_ids": True})  # a call cut short, as returned
+    prompt = load_tokenizer(SHIPPED).decode(done.choices[0].prompt_token_ids)
+    assert '<tool_call>{"name": "get_weather", "arguments": "{\\"ci"}</tool_call>' in prompt  # a string: tojson's
 
 
 def test_a_reply_sent_back_as_clients_send_it_continues_the_conversation(server, checkpoint):
@@ -413,7 +419,7 @@ def test_a_forced_call_streams_its_arguments_and_keeps_them_when_cut():
              '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
 
     def parse(pieces):
-        parser = ReplyParser(ReasoningSplitter(), {"get_weather", "now"}, forced=True)
+        parser = ReplyParser(ReasoningSplitter(), {"get_weather", "now"}, forced="required")
         reasoning, content, calls = "", "", {}
         for i, piece in enumerate(pieces):
             delta = parser.feed(piece, final=i == len(pieces) - 1)
@@ -435,3 +441,9 @@ def test_a_forced_call_streams_its_arguments_and_keeps_them_when_cut():
     start = reply.index(arguments)
     for cut in range(start, start + len(arguments)):
         assert parse([reply[:cut]])[2] == [("get_weather", reply[start:cut])], cut
+    # Text may end in what could begin a call where the reply may be text ("auto"): it is text
+    # until a <tool_call> is written; where it is calls only, a call's beginning is markup.
+    for end, auto in (("a <", "a <"), ("a <tool_c", "a <tool_c"), ("a <tool_call>\n{", "a ")):
+        assert ReplyParser(None, {"get_weather"}, forced="auto").feed(end, final=True).content == auto
+    for end in ("<", "<tool_c", "<tool_call>\n{"):
+        assert ReplyParser(None, {"get_weather"}, forced="required").feed(end, final=True).content == ""

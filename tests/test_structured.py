@@ -330,6 +330,13 @@ def test_a_forced_call_cut_short_is_a_call_with_the_arguments_written(server):
                                    and arguments.startswith(calls[0][1])), calls
             assert stream[::2] == (calls, None)
         assert sum(bool(reply.choices[0].message.tool_calls) for reply in cut) > 5  # cut at many places
+    sync = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=REQUEST_TIMEOUT_S, max_retries=0)
+    fields = chat(tools=tools, tool_choice="required", parallel_tool_calls=False, stop=['"city'])
+    stopped = sync.chat.completions.create(**fields).choices[0]  # the stop string inside the arguments
+    calls = [(t.function.name, t.function.arguments) for t in stopped.message.tool_calls]
+    assert calls == [("get_weather", "{")] and stopped.finish_reason == "stop"  # not "tool_calls": not whole
+    assert streamed_calls(sync.chat.completions.create(**fields, stream=True))[::2] == (calls, None)
+    assert streamed_calls(sync.chat.completions.create(**fields, stream=True))[3] == "stop"
 
 
 
