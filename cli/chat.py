@@ -17,8 +17,9 @@ a blank line is ignored. Any other line that starts with "/" is a mistyped comma
 saying so and is not sent; "//" sends a line that starts with "/" (one "/" less).
 Ctrl-C during a reply stops it and leaves that exchange out of the history; Ctrl-C at the prompt
 drops the line being typed and shows a new prompt, as Python's own prompt does. A reply may take all
-the room the model's context leaves (at least REPLY_ROOM tokens of it), or at most --max-new-tokens
-when given; a turn that would not leave that room drops the oldest exchanges, as few as make it fit,
+the room the model's context leaves, which a turn keeps at 2,048 tokens or a quarter of the
+context, the smaller (or --max-new-tokens, when given, as the reply's limit and the room kept);
+a turn that would not leave that room drops the oldest exchanges, as few as make it fit,
 and says how many; a line that does not fit even alone is not sent. A reply cut at its limit says so
 in its status line ("cut while thinking": Qwen3 reasons at length, give it room).
 """
@@ -45,7 +46,7 @@ PROMPT = "> "
 COMMANDS = '/reset forgets the history, /exit (or Ctrl-D) ends the session; "//" sends a line that starts with "/"'
 # The room a reply keeps when --max-new-tokens is not given, at most a quarter of the context: Qwen3's
 # reasoning alone often takes hundreds of tokens, and older exchanges go before a reply is squeezed.
-REPLY_ROOM = 2048
+REPLY_ROOM = 2048  # what a turn keeps for the reply (at most a quarter of the context): the module docstring
 
 
 class ReplyView:

@@ -88,8 +88,9 @@ def parse_args(argv=None, chat: bool = False) -> argparse.Namespace:
     p.add_argument("--dtype", choices=[*DTYPES, "auto"], default=None,
                    help="auto: the checkpoint's dtype (default: float32 on the CPU, the checkpoint's on a GPU)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
-                   help="at most this many new tokens (default: 128; with --interactive, a reply may take all the "
-                        "room the model's context leaves)")
+                   help="at most this many new tokens a reply (default: all the room the model's context leaves)"
+                   if chat else "at most this many new tokens (default: 128; with --interactive, a reply may take "
+                                "all the room the model's context leaves)")
     p.add_argument("--temperature", type=sampling_flag("temperature", float), metavar="T",
                    help=f"0 = greedy ({FROM_CHECKPOINT} 1)")
     p.add_argument("--top-k", type=sampling_flag("top_k", int), metavar="K",
@@ -183,7 +184,8 @@ def chat_note(args: argparse.Namespace, tokenizer) -> str | None:
         asked.append("--thinking" if args.thinking else "--no-thinking")
     if not asked:
         return None
-    return (f"{args.model} has no chat template, so {' and '.join(asked)} changes nothing: "
+    return (f"{args.model} has no chat template, so {' and '.join(asked)} "
+            f"{'changes' if len(asked) == 1 else 'change'} nothing: "
             "the prompt is used as plain text")
 
 

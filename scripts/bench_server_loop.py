@@ -1,7 +1,7 @@
 """The HTTP server's own cost per streamed token, without a model: the server of scripts/serve.py
 (serve/server.py's app on uvicorn) over a stub engine, on any machine.
 
-    python scripts/bench_server_loop.py --concurrency 64 --output 256 [--logprobs 5] [--chat]
+    python scripts/bench_server_loop.py --concurrency 64 --output 256 [--logprobs 5]
 
 At hundreds of streams the server's process, one event loop, is what bounds a served level on the
 GPU (docs/benchmarks/serve-notes.md); this measures that process alone. The stub engine stands in
