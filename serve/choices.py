@@ -41,8 +41,8 @@ class Choice:
             reasoned = self.reply.splitter is not None and self.reply.splitter.reasoned
             content = (delta.content or None) if delta.calls or self.reply.forced or reasoned else delta.content
             message = {"role": "assistant", "content": content}
-            if self.reply.splitter is not None:
-                message["reasoning_content"] = delta.reasoning or None
+            if self.reply.splitter is not None:  # under both names clients read: DeepSeek's, vLLM's
+                message["reasoning_content"] = message["reasoning"] = delta.reasoning or None
             if delta.calls:
                 message["tool_calls"] = [call.as_dict() for call in delta.calls]
             choice = {"index": self.index, "message": message, "logprobs": self.write_logprobs(out),
@@ -77,7 +77,7 @@ class Choice:
         parsed = self.reply.feed(out.text, final)
         delta = {"content": parsed.content} if parsed.content else {}
         if parsed.reasoning:
-            delta["reasoning_content"] = parsed.reasoning
+            delta["reasoning_content"] = delta["reasoning"] = parsed.reasoning
         if parsed.calls:
             delta["tool_calls"] = [call.as_dict(index=True) for call in parsed.calls]
         if not (delta or news):

@@ -126,6 +126,7 @@ def ask(url: str, stream: bool, max_tokens: int = 64, **kwargs) -> tuple[str | N
         done = c.chat.completions.create(model=c.models.list().data[0].id, messages=messages, max_tokens=max_tokens,
                                          temperature=0, extra_body=extra)
         message = done.choices[0].message
+        assert getattr(message, "reasoning", None) == getattr(message, "reasoning_content", None)  # both names
         return getattr(message, "reasoning_content", None), message.content, done.choices[0].finish_reason
     reasoning, content, reason = None, None, None
     for chunk in c.chat.completions.create(model=c.models.list().data[0].id, messages=messages,
@@ -133,6 +134,7 @@ def ask(url: str, stream: bool, max_tokens: int = 64, **kwargs) -> tuple[str | N
         delta = chunk.choices[0].delta
         assert (delta.role or delta.content or getattr(delta, "reasoning_content", None) or delta.tool_calls
                 or chunk.choices[0].finish_reason), chunk  # a chunk of nothing (text held back) is not sent
+        assert getattr(delta, "reasoning", None) == getattr(delta, "reasoning_content", None)  # both names
         if getattr(delta, "reasoning_content", None):
             reasoning = (reasoning or "") + delta.reasoning_content
         if delta.content:
