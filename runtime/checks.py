@@ -41,7 +41,8 @@ def check_request(n_prompt: int, new, max_len: int, seed=None, new_name: str = "
     it) fit max_len positions, and the seed, if any, is one."""
     if n_prompt == 0:
         raise ParameterError("prompt", "the prompt is empty: generation needs at least one token")
-    if isinstance(new, bool) or not isinstance(plain(new), int) or new < least:
+    new = plain(new)  # numpy's integers as Python's: no wrap-around in the sums below
+    if isinstance(new, bool) or not isinstance(new, int) or new < least:
         raise ParameterError(new_name, f"{new_name} must be an integer >= {least}, got {new!r}")
     if seed is not None and (wrong := problem("seed", seed)):
         raise ParameterError("seed", f"seed {wrong}")

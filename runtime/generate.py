@@ -36,7 +36,7 @@ from .cache import PagedKVCache
 from .checks import check_in_vocab, check_input_ids, check_request, token_id
 from .graphs import GraphRunner, resolve_cuda_graph
 from .sampler import Sampler, random_seed
-from .sampling import SamplingParams, sampling_params
+from .sampling import SamplingParams, plain, sampling_params
 
 # Tokens per block of generate's cache: a row's blocks are its own and in order, so a large block
 # keeps each key step of the decode kernel inside one block (contiguous reads), one table entry
@@ -161,6 +161,7 @@ def generate(
         attention_mask = check_padding(attention_mask.to(device))
     # The context holds each row's tokens, not its padding: the longest row is what must fit.
     longest = T if attention_mask is None else int(attention_mask.sum(1).max())
+    max_new_tokens = plain(max_new_tokens)  # numpy's integers as Python's (checked next)
     check_request(longest, max_new_tokens, config.max_position_embeddings, seed, new_name="max_new_tokens", least=0)
     check_in_vocab(input_ids, config.vocab_size)
     cuda_graph = resolve_cuda_graph(cuda_graph, device)

@@ -11,7 +11,7 @@ quantization_config; the tokenizer's and generation files are copied.
 
 OUT must be a new (or empty) directory: the checkpoint is written inside it under a hidden
 name and moved up once whole; a run that fails or is stopped (Ctrl-C, SIGTERM) removes what it
-wrote and the directories it made, and never touches the source. Blocks: this project loads
+wrote and the directories it made, and never changes the source's files. Blocks: this project loads
 any size; its fused FP8 kernels take sides that are powers of two >= 16 (other sizes load
 dequantized, at the bf16 model's memory), and transformers' FP8 loader reads the block size
 from the scales' grid, so it needs every weight's sides to be whole blocks (Qwen's models are,
@@ -94,30 +94,46 @@ def check_out(checkpoint: Path, out: Path) -> None:
         raise ValueError(f"OUT {out} exists and is not an empty directory: pick a new one (or empty it)")
 
 
-def made_dirs(out: Path) -> list[Path]:
-    """Create out and the parents it lacks; the directories created, deepest first."""
-    made, path = [], out
-    while not path.exists():
-        made.append(path)
-        path = path.parent
-    out.mkdir(parents=True)
-    return made
+class Output:
+    """OUT as the run writes it: the checkpoint goes to a hidden folder inside OUT (OUT may be a
+    mount point or a link: never replaced) and moves up once whole; `remove()` takes away what
+    the run wrote and the folders it made, leaving OUT as it found it."""
 
+    def __init__(self, out: Path):
+        self.out, self.made, self.moved = out, [], []
+        path = out
+        while not path.exists():
+            self.made.append(path)  # deepest first
+            path = path.parent
+        out.mkdir(parents=True, exist_ok=True)
+        self.partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=out))
 
-def publish(partial: Path, out: Path) -> None:
-    """Move the finished checkpoint's files from partial up into out, readable as the umask lets
-    files be (safetensors writes its files for their owner alone)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in sorted(partial.iterdir()):
-        path.chmod(0o666 & ~umask)
-        path.replace(out / path.name)
-    partial.rmdir()
+    def publish(self) -> None:
+        """Move the files up into OUT, each readable as config.json is (written under the user's
+        umask; safetensors writes its files for their owner alone)."""
+        mode = (self.partial / "config.json").stat().st_mode & 0o777
+        for path in sorted(self.partial.iterdir()):
+            path.chmod(mode)
+            path.replace(self.out / path.name)
+            self.moved.append(self.out / path.name)
+        self.partial.rmdir()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.partial, ignore_errors=True)
+        for path in self.moved:
+            path.unlink(missing_ok=True)
+        for path in self.made:
+            try:
+                path.rmdir()
+            except OSError:
+                break  # not empty: someone else's files, or an ancestor of those
 
 
 def terminated(sig: int, frame) -> None:
-    """SIGTERM (kill, a supervisor) as Ctrl-C is: the run stops, cleaning up what it wrote."""
-    raise SystemExit(f"quantize_fp8.py: {signal.Signals(sig).name}: stopped")
+    """SIGTERM (kill, a supervisor) as Ctrl-C is: the run stops, cleaning up what it wrote, and
+    exits with the status a shell reports for it."""
+    os.write(2, f"quantize_fp8.py: {signal.Signals(sig).name}: stopped\n".encode())
+    raise SystemExit(128 + sig)
 
 
 def main(argv=None) -> None:
@@ -133,29 +149,30 @@ def main(argv=None) -> None:
     try:
         read_config(args.checkpoint)
         check_out(args.checkpoint, args.out)
-        made = made_dirs(args.out) if not args.out.exists() else []
     except (OSError, ValueError) as err:
         sys.exit(f"quantize_fp8.py: error: {err}")
-    # Written inside OUT under a hidden name (OUT may be a mount point or a link: never replaced),
-    # moved up once whole; on any failure or stop, what was written and made goes.
-    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() \
-        else None
-    partial = None
+    in_main = threading.current_thread() is threading.main_thread()  # only its handlers can be set
+    previous = signal.signal(signal.SIGTERM, terminated) if in_main else None
+    stops = {signal.SIGINT, signal.SIGTERM}
+    output = None
     try:
-        partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=args.out))
-        quantize_checkpoint(args.checkpoint, partial, block)
-        publish(partial, args.out)
+        output = Output(args.out)
+        quantize_checkpoint(args.checkpoint, output.partial, block)
+        if in_main:  # a stop midway through the moves would leave a half checkpoint: held off till done
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        output.publish()
     except BaseException as err:
-        if partial is not None:
-            shutil.rmtree(partial, ignore_errors=True)
-        for path in made:
-            path.rmdir()
+        if in_main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # a second stop must not cut the cleanup short
+        if output is not None:
+            output.remove()
         if isinstance(err, (OSError, ValueError, SafetensorError)):
             sys.exit(f"quantize_fp8.py: error: cannot quantize {args.checkpoint}: {' '.join(str(err).split())}")
         raise
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # a stop held off now lands: the checkpoint is whole
     if not kernel_block(block):
         print(f"quantize_fp8.py: note: blocks of {block[0]} x {block[1]}: the fused FP8 kernels take sides that "
               "are powers of two >= 16, so this checkpoint loads dequantized (the bf16 model's memory)",
@@ -163,4 +180,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # what it wrote is gone (main), or the checkpoint was already whole
+        print("quantize_fp8.py: interrupted", file=sys.stderr)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports it

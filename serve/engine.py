@@ -115,7 +115,7 @@ class Engine:
             n_blocks = max_batch * -(-min(self.max_len, 2048) // block_size)
         self.cache = PagedKVCache.for_model(model, n_blocks, block_size)
         self.max_batch = max_batch
-        self.attention_cost = steps.attention_cost(config) if attention_cost is None else attention_cost
+        self.attention_cost = steps.attention_cost(config) if attention_cost is None else float(attention_cost)
         self.scheduler = Scheduler(self.cache, max_batch, table_width, prefill_tokens=prefill_tokens,
                                    attention_cost=self.attention_cost, prefix_cache=prefix_cache)
         gen_config = getattr(model, "generation_config", {}) or {}

@@ -105,8 +105,12 @@ class TextPart(Strict):
     text: str
 
 
+# OpenAI's rule for a function's name: one that a call's JSON (and Qwen3's template) holds as it is.
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
 class FunctionCall(Strict):
-    name: str
+    name: str = Field(pattern=TOOL_NAME)  # a tool's, as the request's tools are named
     arguments: str  # a JSON object, as a string
 
 
@@ -137,7 +141,7 @@ class Message(Strict):
 
 
 class FunctionDefinition(Strict):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule: a name a call's JSON holds as it is
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema, rendered by the chat template
     strict: bool | None = None  # its calls follow the parameters schema exactly (constrained decoding)

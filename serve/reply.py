@@ -127,7 +127,9 @@ class ReplyParser:
                 delta.calls.append(call)
             self.held = self.held[end + len(TOOL_CLOSE) :]
         if final and self.open_call is not None:  # cut inside a forced call: it keeps what it has
-            if not (CALL_END.startswith(self.held) and complete_json(self.arguments)):  # else only its end was cut
+            if self.held == "}" and complete_json(self.arguments + "}"):  # the arguments' own last brace
+                self.add_arguments(delta, self.held)
+            elif not (CALL_END.startswith(self.held) and complete_json(self.arguments)):  # else its end was cut
                 self.add_arguments(delta, self.held)
                 self.cut = True
             self.held, self.open_call = "", None

@@ -181,19 +181,26 @@ def test_the_quantizer_refuses_what_would_lose_or_mix_checkpoints_in_one_line(tm
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     refused([broken, tmp_path / "o"], r"cannot quantize .*broken: ")
     refused([broken, tmp_path / "a" / "b"], r"cannot quantize .*broken: ")  # the parents it made go too
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    refused([broken, kept], r"cannot quantize .*broken: ")  # an empty OUT of the user's stays, empty
+    assert kept.is_dir() and not any(kept.iterdir())
+    kept.rmdir()
     (broken / "config.json").write_text("[1]")
     refused([broken, tmp_path / "o"], r"config.json must hold a JSON object, not list")
     assert {f.name: f.read_bytes() for f in source.iterdir()} == before
     assert sorted(f.name for f in tmp_path.iterdir()) == ["broken", "source", "stale"]  # no OUT, nothing partial
     empty = tmp_path / "empty"
     empty.mkdir()
-    quantize_fp8.main([str(source), str(empty), "--block", "100", "60"])  # an empty OUT is taken
+    umask = os.umask(0o022)
+    try:
+        quantize_fp8.main([str(source), str(empty), "--block", "100", "60"])  # an empty OUT is taken
+    finally:
+        os.umask(umask)
     assert "the fused FP8 kernels take sides that are powers of two" in capsys.readouterr().err
     assert json.loads((empty / "config.json").read_text())["quantization_config"]["weight_block_size"] == [100, 60]
-    umask = os.umask(0)
-    os.umask(umask)
     assert {f.name: f.stat().st_mode & 0o777 for f in empty.iterdir()} == {  # readable as any file the user writes
-        f.name: 0o666 & ~umask for f in source.iterdir()}
+        f.name: 0o644 for f in source.iterdir()}
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     (tmp_path / "elsewhere").mkdir()
@@ -219,7 +226,7 @@ def test_a_quantizer_run_stopped_midway_leaves_nothing_behind(tmp_path):
     run = subprocess.run([sys.executable, "-c", stop_at_the_first_weight, str(ROOT / "scripts" / "quantize_fp8.py"),
                           str(source), str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert run.returncode != 0 and run.stderr.splitlines() == ["quantize_fp8.py: SIGTERM: stopped"], run.stderr
+    assert run.returncode == 128 + 15 and run.stderr.splitlines() == ["quantize_fp8.py: SIGTERM: stopped"], run.stderr
     assert sorted(f.name for f in tmp_path.iterdir()) == ["source"]
     assert {f.name: f.read_bytes() for f in source.iterdir()} == before
 

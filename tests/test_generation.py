@@ -255,6 +255,8 @@ def test_refusals_before_any_compute(models):
     ids = torch.zeros(1, 3, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=r"input_ids \(0, 3\) holds no prompt"):
         ours.generate(torch.zeros(0, 3, dtype=torch.long, device=DEVICE), max_new_tokens=2)
+    with pytest.raises(ValueError, match="maximum context length"):  # numpy's int16 would wrap around in the sum
+        ours.generate(ids, max_new_tokens=np.int16(32600))
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got True"):
         ours.generate(ids, True)
     with pytest.raises(ValueError, match=r"eos_token_id must be token ids in \[0, \d+\), got \[-1\]"):

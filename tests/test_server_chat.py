@@ -22,7 +22,7 @@ from servers import REQUEST_TIMEOUT_S, SHIPPED, load_serve_py, serving
 
 from runtime.reasoning import ReasoningSplitter
 from runtime.text import load_tokenizer
-from serve.reply import ReplyParser
+from serve.reply import ReplyParser, call_begin
 
 THINKING, ANSWER = "Let me add them.", "The sum is 5"
 # Qwen3's template (its newlines kept), and what the thinking-only (2507) templates do: open the think
@@ -264,6 +264,11 @@ def test_a_tool_round_trip_renders_the_call_and_the_result_through_the_template(
     with pytest.raises(openai.BadRequestError) as refused:
         c.chat.completions.create(model=c.models.list().data[0].id, messages=bad, max_tokens=4)
     assert refused.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+    misnamed = [{"type": "function", "id": "c", "function": {"name": 'get "x"', "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as refused:  # a name the template writes into JSON as it is
+        c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=4,
+                                  messages=[history[0], {**history[1], "tool_calls": misnamed}])
+    assert refused.value.body["param"] == "messages[1].tool_calls[0].function.name"
     no_arguments = [{"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]
     done = c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=4, temperature=0,
                                      messages=[history[0], {**history[1], "tool_calls": no_arguments}, history[2]],
@@ -449,3 +454,25 @@ def test_a_forced_call_streams_its_arguments_and_keeps_them_when_cut():
         assert ReplyParser(None, {"get_weather"}, forced="auto").feed(end, final=True).content == auto
     for end in ("<", "<tool_c", "<tool_call>\n{"):
         assert ReplyParser(None, {"get_weather"}, forced="required").feed(end, final=True).content == ""
+    # Cut right after the arguments' own last brace (a stop string at the call's end): the call is whole.
+    for end, whole in (('{"city": "Paris"}', True), ('{"city": "Paris"}}', True), ('{"city": "Par', False)):
+        parser = ReplyParser(None, {"get_weather"}, forced="required")
+        (call,) = parser.feed(call_begin("get_weather") + end, final=True).calls
+        assert call.arguments == '{"city": "Paris"}' if whole else call.arguments == end
+        assert parser.finishes_with_calls() is whole
+
+
+def test_the_example_template_writes_a_history_call_as_qwen3s_does():
+    """examples/qwen3-chat-template.jinja: a call's arguments as an object through tojson, as a string
+    (a call cut short, sent back) as it is, as Qwen3's own template does."""
+    tok = load_tokenizer(SHIPPED)
+    tok.chat_template = (Path(__file__).resolve().parent.parent / "examples" / "qwen3-chat-template.jinja").read_text()
+
+    def rendered(arguments) -> str:
+        call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return tok.apply_chat_template([{"role": "user", "content": "Weather?"},
+                                        {"role": "assistant", "content": "", "tool_calls": [call]}], tokenize=False)
+
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered(
+        {"city": "Paris"})
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"ci}\n</tool_call>' in rendered('{"ci')
