@@ -112,7 +112,7 @@ class Scheduler:
         sequence for its next token), each starting after the longest prefix of it that the cache
         holds. A sequence whose next uncached block is one that a sequence prefilled in this step
         computes waits a step, and then finds it cached: a burst of prompts with one system prompt
-        (n choices of one prompt) prefills it once.
+        (n choices of one prompt) prefills it once; the sequences behind it are not held back.
         grammar_ready(seq, wait_s): whether a constrained sequence's grammar is compiled, waiting
             up to wait_s (one that failed has ended its sequence, and left the queue);
         one_forward(n_tokens, n_sequences, from_start): whether a pack that large is one forward."""
@@ -132,17 +132,20 @@ class Scheduler:
         for seq in self.running:
             if budget > 0 and seq.prefilling:
                 take(seq)
-        compiling = 0  # requests at the head of the queue whose grammars compile: the ones behind go first
-        while budget > 0 and len(self.waiting) > compiling and len(self.running) < self.max_batch:
-            seq = self.waiting[compiling]
-            if seq.matcher is not None and not grammar_ready(seq, GRAMMAR_WAIT_S if not compiling else 0):
-                compiling += seq.finish_reason is None  # else it failed, and has left the queue
+        # Requests at the head of the queue passed over this step, the ones behind going first: their
+        # grammars compile, or their next block is one this step computes.
+        passed = 0
+        while budget > 0 and len(self.waiting) > passed and len(self.running) < self.max_batch:
+            seq = self.waiting[passed]
+            if seq.matcher is not None and not grammar_ready(seq, GRAMMAR_WAIT_S if not passed else 0):
+                passed += seq.finish_reason is None  # else it failed, and has left the queue
                 continue
             if seq.unread:  # preempted with a token in flight: prefilled again once its ids hold it
                 break
             if self.prefix_cache and self._next_key(seq, lookup=True) in computing:
-                break
-            if not self._admit(seq, compiling):
+                passed += 1
+                continue
+            if not self._admit(seq, passed):
                 break
             admitted.append(seq)
             take(seq)
