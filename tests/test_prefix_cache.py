@@ -206,12 +206,9 @@ def test_shared_prefixes_cancellations_and_preemptions_lose_nothing(model):
     assert completed >= 30
 
 
-def test_prompts_that_arrive_together_with_one_prefix_prefill_it_once(model):
-    """Four requests with one system prompt of 3 blocks and a half, arriving in the same step: the
-    first is prefilled whole; the others wait one step, then find its blocks and prefill only their
-    own tokens, packed together; every one generates what it does alone."""
-    system = prompts([3 * BLOCK + 2], model.config.vocab_size, seed=30)[0]
-    requests = [system + tail for tail in prompts([2, 5, 3, 4], model.config.vocab_size, seed=31)]
+def arriving_together(model, requests):
+    """The requests (3 tokens each) added in one step and run to their ends: the engine, each prefill
+    forward's chunk lengths (sorted), and each request's outputs."""
     engine = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False)
     outputs = [[] for _ in requests]
     for out, prompt in zip(outputs, requests):
@@ -223,6 +220,16 @@ def test_prompts_that_arrive_together_with_one_prefix_prefill_it_once(model):
         engine.run()
     finally:
         hook.remove()
+    return engine, chunks, outputs
+
+
+def test_prompts_that_arrive_together_with_one_prefix_prefill_it_once(model):
+    """Four requests with one system prompt of 3 blocks and a half, arriving in the same step: the
+    first is prefilled whole; the others wait one step, then find its blocks and prefill only their
+    own tokens, packed together; every one generates what it does alone."""
+    system = prompts([3 * BLOCK + 2], model.config.vocab_size, seed=30)[0]
+    requests = [system + tail for tail in prompts([2, 5, 3, 4], model.config.vocab_size, seed=31)]
+    engine, chunks, outputs = arriving_together(model, requests)
     assert chunks == [[len(requests[0])], sorted(len(p) - 3 * BLOCK for p in requests[1:])]
     assert engine.prefix_stats()["hit_tokens"] == 3 * 3 * BLOCK
     assert [[t for o in out for t in o.token_ids] for out in outputs] == [alone(model, p, 3) for p in requests]
@@ -235,16 +242,6 @@ def test_a_prompt_behind_one_waiting_for_a_prefix_is_not_held_back(model):
     system = prompts([3 * BLOCK + 2], model.config.vocab_size, seed=30)[0]
     shared = [system + tail for tail in prompts([2, 5], model.config.vocab_size, seed=31)]
     requests = [*shared, prompts([7], model.config.vocab_size, seed=32)[0]]
-    engine = Engine(model, max_batch=4, n_blocks=64, block_size=BLOCK, cuda_graph=False)
-    outputs = [[] for _ in requests]
-    for out, prompt in zip(outputs, requests):
-        engine.add(Request(prompt, 3, GREEDY, eos_ids=()), out.append)
-    chunks = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args: chunks.append(sorted(args[2].cu_seqlens.diff().tolist())) if args[2].rows != 1 else None)
-    try:
-        engine.run()
-    finally:
-        hook.remove()
+    _, chunks, outputs = arriving_together(model, requests)
     assert chunks == [sorted([len(requests[0]), len(requests[2])]), [len(requests[1]) - 3 * BLOCK]]
     assert [[t for o in out for t in o.token_ids] for out in outputs] == [alone(model, p, 3) for p in requests]
