@@ -198,3 +198,8 @@ def serve_engine(conn, stderr, spec: EngineSpec) -> None:
         except OSError:  # the server went away while the model loaded
             return
         EngineLoop(conn, engine).run()
+    # Stopped, or the server is gone: nothing is left to do, and the interpreter's teardown of
+    # torch and the model would keep the server's shutdown waiting for nothing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
