@@ -19,7 +19,7 @@ def generate_command(prog: str = "qwen3-generate") -> None:
     output.PROG = prog  # the name of a Ctrl-C's line during the imports below
     from . import generate  # a Ctrl-C during its imports ends in one line there
 
-    sys.exit(generate.main(prog=prog))
+    output.leave(generate.main(prog=prog))
 
 
 def chat_command(prog: str = "qwen3-chat") -> None:
@@ -28,7 +28,7 @@ def chat_command(prog: str = "qwen3-chat") -> None:
     output.PROG = prog
     from . import generate
 
-    sys.exit(generate.main(sys.argv[1:], prog=prog, chat=True))
+    output.leave(generate.main(sys.argv[1:], prog=prog, chat=True))
 
 
 def serve_command(prog: str = "qwen3-serve") -> None:

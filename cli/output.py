@@ -26,6 +26,19 @@ def bad_flag(message: object) -> NoReturn:
     sys.exit(2)
 
 
+def leave(status: int) -> NoReturn:
+    """Exit with status at once, stdout and stderr flushed: the command is done, and the
+    interpreter's teardown of torch's and transformers' modules would add most of a second to a
+    run (seconds to a server's stop) for nothing."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a reader gone, a stream closed: nothing more can be said
+            pass
+    os._exit(status)
+
+
 class OutputError(Exception):
     """Writing the text to stdout failed (a full disk): not the reader leaving, a BrokenPipeError."""
 

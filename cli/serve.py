@@ -302,9 +302,4 @@ def main(argv=None, prog: str = "serve.py") -> None:
         serve(args)
     except Stop as signalled:
         say(f"{signalled} while starting: stopped")
-    # Stopped: the engine process has ended, the sockets are closed, the lines are written. The
-    # interpreter's own teardown (torch's and transformers' modules, the frozen heap) would add
-    # seconds to a Ctrl-C for nothing.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    output.leave(0)  # stopped: the engine process has ended, the sockets are closed
