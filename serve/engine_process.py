@@ -97,11 +97,15 @@ class StderrTail:
         with self._lock:
             self._tail = b""
 
+    def drain(self, wait_s: float = 1.0) -> None:
+        """Wait up to wait_s for the pipe's end (the process has exited): every byte it wrote copied."""
+        self._thread.join(wait_s)
+
     def last_line(self, wait_s: float = 1.0) -> str:
         """The line that tells most about a death: Python's "Fatal Python error: ..." line after a
         crash, else the last non-empty line (an exception's type and message). Waits up to wait_s
         for the pipe's end, so that the last bytes the engine wrote are in."""
-        self._thread.join(wait_s)
+        self.drain(wait_s)
         with self._lock:
             lines = [line.strip() for line in self._tail.decode(errors="replace").splitlines() if line.strip()]
         fatal = [line for line in lines if line.startswith("Fatal Python error:")]
@@ -129,6 +133,7 @@ class EngineProcess:
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer thread; None ends it
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
+        self._stderr: StderrTail | None = None  # once the process has started
         self._on_death: Callable[[str], None] | None = None
         context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
         self._conn, child = context.Pipe()
@@ -245,6 +250,7 @@ class EngineProcess:
         for thread in (self._writer, self._reader):
             if thread is not None:
                 thread.join(timeout=5)
+        self._stderr_drained()
 
     def kill(self) -> None:
         """End the engine process at once (the server is exiting without a graceful stop)."""
@@ -254,6 +260,13 @@ class EngineProcess:
         if self._process.is_alive():
             self._process.kill()
         self._process.join(timeout=5)
+        self._stderr_drained()
+
+    def _stderr_drained(self) -> None:
+        """The process has ended: its last lines copied to our stderr before the server exits
+        (cli/output.leave skips the interpreter's teardown, where a daemon thread would have had time)."""
+        if self._stderr is not None:
+            self._stderr.drain()
 
     def _send(self, message: tuple) -> None:
         self._outgoing.put(message)

@@ -18,8 +18,8 @@ A prompt's prefill starts after its longest cached prefix (always leaving its la
 compute); the blocks found are shared by reference count and never written: the sequence's new
 tokens go to blocks of its own.
 
-A sequence gets a block when its next token starts one. When none is free, the sequence
-admitted last is preempted: its blocks are freed and it waits at the head of the queue, to be
+A sequence gets a block when its next token starts one. When none is free, the request that
+arrived last is preempted (first come, first served): its blocks are freed and it waits at the head of the queue, to be
 prefilled again from its prompt and the tokens it had (vLLM's recompute preemption). A request
 is accepted only if it fits the whole cache alone, so the oldest sequence always progresses:
 running out of blocks makes requests wait, never corrupts or drops them.
@@ -167,10 +167,11 @@ class Scheduler:
         return packs
 
     def _admit(self, seq: Sequence, place: int = 0) -> bool:
-        """Give the sequence at `place` in the queue (the head, but for requests whose grammars
-        compile) a row, and blocks for its tokens and the next one's position (so that it is not
-        preempted before its prefill's token has been read): the cached blocks of its prefix,
-        shared, and new ones for the rest. False if they do not fit."""
+        """Give the sequence at `place` in the queue (the head, but for requests passed over: their
+        grammars compile, or their next block is one this step computes) a row, and blocks for its
+        tokens and the next one's position (so that it is not preempted before its prefill's token
+        has been read): the cached blocks of its prefix, shared, and new ones for the rest. False
+        if they do not fit."""
         bs = self.cache.block_size
         hits = []
         if self.prefix_cache:  # at least its last token is computed: its logits give the next token
@@ -192,7 +193,9 @@ class Scheduler:
 
     def grow(self) -> None:
         """Give every running sequence that will be launched a block for the position its next
-        token is written to, preempting the sequences admitted last when none is free."""
+        token is written to, preempting the requests that arrived last when none is free (first
+        come, first served: a request passed over in the queue, admitted after one behind it, is
+        still the older)."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -206,7 +209,9 @@ class Scheduler:
                 seq.blocks += block
                 i += 1
                 continue
-            victim = self.running.pop()  # the latest admitted: maybe seq itself
+            j = max(range(len(self.running)), key=lambda k: self.running[k].id)  # the latest: maybe seq itself
+            victim = self.running.pop(j)
+            i -= j < i  # the sequences after it moved up one
             self._free(victim)
             victim.cached = 0
             self.waiting.appendleft(victim)

@@ -137,7 +137,7 @@ def test_the_default_prefill_budget_is_the_devices(model):
 
 def test_out_of_blocks_new_requests_wait_and_nothing_is_corrupted(model):
     """A cache that holds about two sequences: the third waits in the queue until blocks free
-    up; sequences that outgrow the cache preempt the latest admitted, which is recomputed.
+    up; sequences that outgrow the cache preempt the request that arrived last, which is recomputed.
     Every request still gets what it gets alone, and every block comes back."""
     engine = Engine(model, max_batch=4, n_blocks=7, block_size=4)  # 28 token slots in all
     requests = [Request(p, 10, GREEDY, eos_ids=()) for p in prompts([6, 5, 7], model.config.vocab_size, seed=6)]

@@ -245,3 +245,26 @@ def test_a_prompt_behind_one_waiting_for_a_prefix_is_not_held_back(model):
     _, chunks, outputs = arriving_together(model, requests)
     assert chunks == [sorted([len(requests[0]), len(requests[2])]), [len(requests[1]) - 3 * BLOCK]]
     assert [[t for o in out for t in o.token_ids] for out in outputs] == [alone(model, p, 3) for p in requests]
+
+
+def test_when_blocks_run_short_the_request_that_arrived_last_is_preempted(model):
+    """First come, first served: P, passed over while R computes their common prefix, is admitted
+    after Q, which arrived behind it; when the cache runs short, Q is preempted, not the older P.
+    Every request generates what it does alone."""
+    system = prompts([3 * BLOCK], model.config.vocab_size, seed=1)[0]
+    requests = {"R": (system + [7], 2), "P": (system + [9, 9], 20), "Q": (prompts([7], model.config.vocab_size,
+                                                                                  seed=2)[0], 20)}
+    engine = Engine(model, max_batch=4, n_blocks=12, block_size=BLOCK, cuda_graph=False, attention_cost=0)
+    outputs = {name: [] for name in requests}
+    ids = {engine.add(Request(prompt, n, GREEDY, eos_ids=()), outputs[name].append).id: name
+           for name, (prompt, n) in requests.items()}
+    admitted, preempted = [], []
+    while engine.has_work():
+        before = engine.preemptions
+        engine.step()
+        admitted += [ids[s.id] for s in engine.running if ids[s.id] not in admitted]
+        if engine.preemptions > before:
+            preempted += [ids[s.id] for s in engine.waiting]
+    assert admitted == ["R", "Q", "P"] and preempted and set(preempted) == {"Q"}
+    for name, (prompt, n) in requests.items():
+        assert [t for o in outputs[name] for t in o.token_ids] == alone(model, prompt, n), name
