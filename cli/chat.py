@@ -46,7 +46,7 @@ PROMPT = "> "
 COMMANDS = '/reset forgets the history, /exit (or Ctrl-D) ends the session; "//" sends a line that starts with "/"'
 # The room a reply keeps when --max-new-tokens is not given, at most a quarter of the context: Qwen3's
 # reasoning alone often takes hundreds of tokens, and older exchanges go before a reply is squeezed.
-REPLY_ROOM = 2048  # what a turn keeps for the reply (at most a quarter of the context): the module docstring
+REPLY_ROOM = 2048
 
 
 class ReplyView:

@@ -106,9 +106,10 @@ class Engine:
             prefill_tokens = PREFILL_TOKENS if self.device.type == "cuda" else PREFILL_TOKENS_CPU
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        if attention_cost is not None and not (isinstance(plain(attention_cost), float | int)
-                                               and not isinstance(attention_cost, bool) and 0 <= attention_cost < inf):
-            raise ValueError(f"attention_cost must be a finite number >= 0, got {attention_cost!r}")
+        if attention_cost is not None:
+            cost = plain(attention_cost)  # numpy's numbers as Python's
+            if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 <= cost < inf:
+                raise ValueError(f"attention_cost must be a finite number >= 0, got {attention_cost!r}")
         self.max_len = config.max_position_embeddings
         table_width = -(-self.max_len // block_size)  # blocks a sequence can own
         if n_blocks is None:

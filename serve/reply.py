@@ -126,21 +126,25 @@ class ReplyParser:
                 self.space, self.after_call = "", True  # the whitespace around a call is the call's
                 delta.calls.append(call)
             self.held = self.held[end + len(TOOL_CLOSE) :]
-        if final and self.open_call is not None:  # cut inside a forced call: it keeps what it has
+        if final:
+            self.end(delta)
+        return delta
+
+    def end(self, delta: Delta) -> None:
+        """The reply has ended: what was held back is let go, as what it turned out to be."""
+        if self.open_call is not None:  # cut inside a forced call: it keeps what it has
             if self.held == "}" and complete_json(self.arguments + "}"):  # the arguments' own last brace
                 self.add_arguments(delta, self.held)
             elif not (CALL_END.startswith(self.held) and complete_json(self.arguments)):  # else its end was cut
                 self.add_arguments(delta, self.held)
                 self.cut = True
             self.held, self.open_call = "", None
-        if final and self.cut_call_begun():
+        if self.cut_call_begun():
             self.held = ""  # a forced call cut before its name: the format's text, not the answer's
-        if final:
-            self.text(delta, self.held)
-            self.held = ""
-            if not self.n_calls:
-                delta.content += self.space
-        return delta
+        self.text(delta, self.held)
+        self.held = ""
+        if not self.n_calls:
+            delta.content += self.space
 
     def text(self, delta: Delta, text: str) -> None:
         """Content, but for whitespace that ends it (held until text follows) or begins it after a

@@ -19,8 +19,9 @@ compute); the blocks found are shared by reference count and never written: the 
 tokens go to blocks of its own.
 
 A sequence gets a block when its next token starts one. When none is free, the request that
-arrived last is preempted (first come, first served): its blocks are freed and it waits at the head of the queue, to be
-prefilled again from its prompt and the tokens it had (vLLM's recompute preemption). A request
+arrived last is preempted (first come, first served): its blocks are freed and it waits at the
+head of the queue, to be prefilled again from its prompt and the tokens it had (vLLM's recompute
+preemption). A request
 is accepted only if it fits the whole cache alone, so the oldest sequence always progresses:
 running out of blocks makes requests wait, never corrupts or drops them.
 
